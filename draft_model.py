@@ -1,0 +1,837 @@
+"""The drafter: a Qwen3 / Llama / Qwen2 decoder in plain PyTorch that turns token ids into greedy drafts.
+
+Read top to bottom: config -> primitives (RMSNorm, RoPE) -> GPTQ INT4 and LoRA linear layers ->
+attention, MLP, block -> model -> loading a package -> KV-cache pool and greedy decoding.
+
+    drafter = load_model("model/")
+    drafts = draft_batch(drafter, [[1, 2, 3], [4, 5]], max_tokens=16)   # [[...], [...]]
+    drafts[0].cached_tokens                                            # prompt tokens reused from the cache
+
+One forward serves prefill and decode: new tokens' keys/values are written into a preallocated cache
+slot by index, then every query attends to its slot up to its own position. Prefix reuse is exact:
+a slot is matched to a request by token equality, and KV beyond the matched prefix is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+SUPPORTED_ARCHITECTURES = ("qwen3", "llama", "qwen2")
+DEFAULT_MAX_CONTEXT = 4096  # KV-cache length per slot when the caller does not choose one
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3 normalises q and k per head before RoPE
+    qkv_bias: bool  # Qwen2 (and attention_bias=True) adds biases to q/k/v
+    o_bias: bool  # attention_bias=True (Llama/Qwen3) also biases o_proj
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """Read a Hugging Face config.json dict; refuse features this forward does not implement."""
+        architecture = hf.get("model_type")
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(f"config.json: model_type {architecture!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ModelLoadError(f"config.json: rope_type {rope_type!r} is not supported; only 'default' RoPE is implemented")
+        if hf.get("use_sliding_window"):
+            raise ModelLoadError("config.json: use_sliding_window=true is not supported; only full attention is implemented")
+        if hf.get("mlp_bias"):
+            raise ModelLoadError("config.json: mlp_bias=true is not supported")
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos_ids = _as_id_tuple(hf.get("eos_token_id")) + _as_id_tuple((generation_config or {}).get("eos_token_id"))
+        num_heads = hf["num_attention_heads"]
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_position_embeddings=hf.get("max_position_embeddings", DEFAULT_MAX_CONTEXT),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            qk_norm=architecture == "qwen3",
+            qkv_bias=architecture == "qwen2" or attention_bias,
+            o_bias=architecture != "qwen2" and attention_bias,
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),  # union, order kept, no repeats
+        )
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Primitives
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability, cast back, then scale (the order transformers uses).
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for the half-split RoPE form. positions (B, T) -> two (B, T, 1, head_dim) tensors."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, T, 1, head_dim), broadcast over heads
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D): rotate each (i, i + D/2) pair by its position's angle."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# GPTQ INT4 layout (pure functions: the loader uses them now, evidence/gptq_drafter.py to write)
+#
+# Per Linear with K inputs, N outputs, group size G:  qweight int32 [K/8, N] (packed along inputs),
+# qzeros int32 [K/G, N/8] (packed along outputs), scales fp16 [K/G, N], g_idx int32 [K].
+# Nibble j of an int32 holds bits 4j..4j+3. W[n, k] = scales[g[k], n] * (q[k, n] - zero[g[k], n]).
+# "gptq" (v1) checkpoints store zero - 1 (masked to 4 bits); "gptq_v2" stores the zero itself.
+
+NIBBLES_PER_INT32 = 8
+ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
+
+
+def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Pack 4-bit values (0..15) eight to an int32 along `dim`, lowest nibble first."""
+    values = values.movedim(dim, 0).to(torch.int64)
+    if values.shape[0] % NIBBLES_PER_INT32:
+        raise ValueError(f"pack_int4: size {values.shape[0]} along dim {dim} is not a multiple of 8")
+    if values.numel() and (values.min() < 0 or values.max() > 15):
+        raise ValueError("pack_int4: values must lie in 0..15")
+    groups = values.reshape(-1, NIBBLES_PER_INT32, *values.shape[1:])  # (n/8, 8, ...)
+    shifts = (4 * torch.arange(NIBBLES_PER_INT32)).reshape(1, -1, *([1] * (values.dim() - 1)))
+    packed = (groups << shifts).sum(dim=1)  # 0 .. 2^32 - 1
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # reinterpret as two's complement int32
+    return packed.to(torch.int32).movedim(0, dim)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of pack_int4: int32 -> int64 values 0..15, eight per int32 along `dim`."""
+    packed = packed.movedim(dim, 0).to(torch.int64)
+    shifts = (4 * torch.arange(NIBBLES_PER_INT32, device=packed.device)).reshape(1, -1, *([1] * (packed.dim() - 1)))
+    values = (packed[:, None] >> shifts) & 0xF  # (n, 8, ...)
+    return values.reshape(-1, *packed.shape[1:]).movedim(0, dim)
+
+
+def gptq_pack(int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GPTQ v1 tensors for one Linear. int_weight [N, K] and zeros [K/G, N] hold 0..15; scales [K/G, N]."""
+    stored_zeros = (zeros.to(torch.int64) - ZERO_OFFSET["gptq"]) & 0xF
+    return {
+        "qweight": pack_int4(int_weight.t(), dim=0),
+        "qzeros": pack_int4(stored_zeros, dim=1),
+        "scales": scales.to(torch.float16),
+        "g_idx": g_idx.to(torch.int32),
+    }
+
+
+def gptq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, checkpoint_format: str = "gptq"
+) -> torch.Tensor:
+    """The fp32 weight [N, K] (nn.Linear layout) that a GPTQ checkpoint means."""
+    q = unpack_int4(qweight, dim=0)  # (K, N)
+    zeros = (unpack_int4(qzeros, dim=1) + ZERO_OFFSET[checkpoint_format]) & 0xF  # (K/G, N)
+    groups = g_idx.to(torch.int64)
+    weight = scales.float()[groups] * (q - zeros[groups]).float()  # (K, N)
+    return weight.t().contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA (a PEFT adapter kept unmerged as A, B and scale, or merged into the base weight)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Parameter(lora_A, requires_grad=False)  # (r, in)
+        self.lora_B = nn.Parameter(lora_B, requires_grad=False)  # (out, r)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    def merge(self) -> nn.Linear:
+        """The plain Linear with W + scale * B @ A (computed in fp32, cast to the weight dtype)."""
+        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scale
+        merged = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None)
+        merged.weight = nn.Parameter((self.base.weight.float() + delta).to(self.base.weight.dtype), requires_grad=False)
+        merged.bias = self.base.bias
+        return merged
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention, MLP, block, model. Module names mirror transformers', so checkpoint keys map 1:1.
+
+
+@dataclass
+class ForwardInputs:
+    """Where a forward reads and writes the KV cache. T = tokens per row in this forward."""
+
+    positions: torch.Tensor  # (B, T) position of each token in its sequence
+    write_slots: torch.Tensor  # (B, T) cache slot receiving each token's KV (the scratch slot for padding)
+    read_slots: list[int]  # (B,) the slot each row attends over
+    kv_len: int  # keys 0..kv_len-1 of each read slot may be attended (the mask narrows it per row)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: "KVCache", layer: int, at: ForwardInputs) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, at.write_slots, at.positions, k, v)
+        keys, values = cache.read(layer, at.read_slots, at.kv_len)  # (B, H_kv, kv_len, D)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache: "KVCache", layer: int, at: ForwardInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, at)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, token_ids: torch.Tensor, cache: "KVCache", at: ForwardInputs) -> torch.Tensor:
+        """token_ids (B, T) -> final hidden states (B, T, hidden); KV written to the cache on the way."""
+        x = self.embed_tokens(token_ids)
+        cos, sin = rope_cos_sin(at.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        # A query sees every key at or before its own position in its row's slot: (B, 1, T, kv_len).
+        key_positions = torch.arange(at.kv_len, device=token_ids.device)
+        mask = (key_positions[None, None, :] <= at.positions[:, :, None])[:, None]
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, mask, cache, i, at)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: a model package (DESIGN section 5) or a Hugging Face checkpoint, strictly.
+
+PACKAGE_WEIGHTS = "model_int4.safetensors"
+PACKAGE_QUANT_CONFIG = "quant_config.json"
+PACKAGE_LORA_WEIGHTS = "lora.safetensors"
+PACKAGE_LORA_CONFIG = "lora_config.json"
+PACKAGE_MODEL_CARD = "model_card.json"
+QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model.model."
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{path}: not valid JSON ({error})") from None
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool
+    checkpoint_format: str
+    modules_to_not_convert: tuple[str, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: Path) -> "QuantConfig":
+        if raw.get("quant_method") != "gptq":
+            raise ModelLoadError(f"{source}: quant_method {raw.get('quant_method')!r} is not supported; expected 'gptq'")
+        if raw.get("bits") != 4:
+            raise ModelLoadError(f"{source}: bits {raw.get('bits')!r} is not supported; expected 4")
+        checkpoint_format = raw.get("checkpoint_format", "gptq")
+        if checkpoint_format not in ZERO_OFFSET:
+            raise ModelLoadError(f"{source}: checkpoint_format {checkpoint_format!r} is not supported; expected one of {list(ZERO_OFFSET)}")
+        return cls(
+            bits=4,
+            group_size=raw.get("group_size", 128),
+            sym=raw.get("sym", True),
+            desc_act=raw.get("desc_act", False),
+            checkpoint_format=checkpoint_format,
+            modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
+        )
+
+    def describe(self) -> dict:
+        return {"method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act}
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int
+    scale: float
+    target_modules: list[str] | str
+
+    @classmethod
+    def from_peft(cls, raw: dict, source: Path) -> "LoRAConfig":
+        unsupported = {
+            "use_dora": raw.get("use_dora"),
+            "fan_in_fan_out": raw.get("fan_in_fan_out"),
+            "layers_to_transform": raw.get("layers_to_transform"),
+            "rank_pattern": raw.get("rank_pattern"),
+            "alpha_pattern": raw.get("alpha_pattern"),
+            "modules_to_save": raw.get("modules_to_save"),
+        }
+        for field, value in unsupported.items():
+            if value:
+                raise ModelLoadError(f"{source}: {field}={value!r} is not supported by this loader")
+        if raw.get("bias", "none") != "none":
+            raise ModelLoadError(f"{source}: bias={raw['bias']!r} is not supported; expected 'none'")
+        rank, alpha = raw["r"], raw["lora_alpha"]
+        scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
+        return cls(rank=rank, scale=scale, target_modules=raw["target_modules"])
+
+    def targets(self, module_name: str) -> bool:
+        """PEFT's rule: a regex string must match the whole name; a list matches the name or a suffix."""
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, module_name) is not None
+        return any(module_name == t or module_name.endswith("." + t) for t in self.target_modules)
+
+
+def _linear_names(cfg: ModelConfig) -> list[str]:
+    """Every projection inside the decoder layers, by its in-model name (layers.0.self_attn.q_proj)."""
+    names = []
+    for i in range(cfg.num_layers):
+        names += [f"layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [f"layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def _expected_tensors(cfg: ModelConfig, quant: QuantConfig | None) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name (HF naming) -> shape, derived from a meta-device skeleton of the model."""
+    with torch.device("meta"):
+        skeleton = Transformer(cfg)
+    expected = {_hf_name(name): tuple(p.shape) for name, p in skeleton.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    if quant is None:
+        return expected
+    for name in _quantized_linears(cfg, quant):
+        out_features, in_features = expected.pop(f"model.{name}.weight")
+        if in_features % quant.group_size or in_features % NIBBLES_PER_INT32 or out_features % NIBBLES_PER_INT32:
+            raise ModelLoadError(f"{name}: shape [{out_features}, {in_features}] does not fit GPTQ group size {quant.group_size}")
+        n_groups = in_features // quant.group_size
+        expected[f"model.{name}.qweight"] = (in_features // NIBBLES_PER_INT32, out_features)
+        expected[f"model.{name}.qzeros"] = (n_groups, out_features // NIBBLES_PER_INT32)
+        expected[f"model.{name}.scales"] = (n_groups, out_features)
+        expected[f"model.{name}.g_idx"] = (in_features,)
+    return expected
+
+
+def _quantized_linears(cfg: ModelConfig, quant: QuantConfig) -> list[str]:
+    skipped = quant.modules_to_not_convert
+    return [n for n in _linear_names(cfg) if not any(n == s or n.endswith("." + s) or _hf_name(n) == s for s in skipped)]
+
+
+def _read_safetensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of `files` on CPU, and the file each came from; a name in two files is refused."""
+    tensors, origin = {}, {}
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                if name in tensors:
+                    raise ModelLoadError(f"tensor {name!r} appears in both {origin[name].name} and {path.name}")
+                tensors[name], origin[name] = handle.get_tensor(name), path
+    return tensors, origin
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], origin: dict[str, Path], expected: dict[str, tuple[int, ...]], where: str) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ModelLoadError(f"{where}: missing tensor {missing[0]!r} with shape {list(expected[missing[0]])} ({len(missing)} missing in all)")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        raise ModelLoadError(f"{origin[name]}: unexpected tensor {name!r} ({len(unexpected)} unexpected in all)")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ModelLoadError(f"{origin[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face checkpoint directory (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [model_dir / shard for shard in shards]
+        for path in files:
+            if not path.exists():
+                raise ModelLoadError(f"{index}: lists shard {path.name!r}, which is not in {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ModelLoadError(f"{model_dir}: no {PACKAGE_WEIGHTS} (model package) and no model.safetensors or model.safetensors.index.json (Hugging Face checkpoint)")
+
+
+def _load_state(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> our state dict in the compute dtype, dequantizing GPTQ linears.
+
+    This is the seam for a packed INT4 path: today every quantized linear becomes a dense weight.
+    """
+    state = {}
+    quantized = set(_quantized_linears(cfg, quant)) if quant else set()
+    for name in quantized:
+        parts = {part: tensors.pop(f"model.{name}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")}
+        state[f"{name}.weight"] = gptq_dequantize(**parts, checkpoint_format=quant.checkpoint_format).to(dtype)
+    for hf_name, tensor in tensors.items():
+        state[hf_name.removeprefix("model.")] = tensor.to(dtype)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
+
+
+def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: bool) -> LoRAConfig:
+    config_path, weights_path = lora_dir / PACKAGE_LORA_CONFIG, lora_dir / PACKAGE_LORA_WEIGHTS
+    lora = LoRAConfig.from_peft(_read_json(config_path), config_path)
+    targets = [name for name in _linear_names(model.cfg) if lora.targets(name)]
+    if not targets:
+        raise ModelLoadError(f"{config_path}: target_modules {lora.target_modules!r} match no projection of the model")
+    expected = {}
+    for name in targets:
+        base = model.get_submodule(name)
+        expected[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (lora.rank, base.in_features)
+        expected[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (base.out_features, lora.rank)
+    tensors, origin = _read_safetensors([weights_path])
+    _check_tensors(tensors, origin, expected, str(weights_path))
+    for name in targets:
+        parent_name, _, attr = name.rpartition(".")
+        wrapped = LoRALinear(
+            model.get_submodule(name),
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"].to(dtype),
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(dtype),
+            lora.scale,
+        )
+        setattr(model.get_submodule(parent_name), attr, wrapped.merge() if merge else wrapped)
+    return lora
+
+
+def _resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype in (None, "auto"):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(names)}")
+        dtype = names[dtype]
+    return device, dtype
+
+
+def load_model(
+    model_dir: str | Path,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    cache_slots: int = 16,
+    max_context: int | None = None,
+    merge_lora: bool = True,
+) -> "Drafter":
+    """Load a model package or a Hugging Face checkpoint directory, strictly (see DESIGN section 5).
+
+    device: cuda when available, else cpu. dtype: bf16 on cuda, fp32 on cpu.
+    cache_slots: prefix-cache slots (a batch uses at most half of them). max_context: tokens per
+    slot, default min(max_position_embeddings, 4096).
+    """
+    model_dir = Path(model_dir)
+    device, dtype = _resolve_device_dtype(device, dtype)
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir}: no config.json; expected a model package or a Hugging Face checkpoint directory")
+    hf_config = _read_json(model_dir / "config.json")
+    generation_path = model_dir / "generation_config.json"
+    cfg = ModelConfig.from_hf(hf_config, _read_json(generation_path) if generation_path.exists() else None)
+
+    is_package = (model_dir / PACKAGE_WEIGHTS).exists()
+    if is_package:
+        quant_path = model_dir / PACKAGE_QUANT_CONFIG
+        if not quant_path.exists():
+            raise ModelLoadError(f"{model_dir}: has {PACKAGE_WEIGHTS} but no {PACKAGE_QUANT_CONFIG}")
+        quant, files = QuantConfig.from_dict(_read_json(quant_path), quant_path), [model_dir / PACKAGE_WEIGHTS]
+    else:
+        raw_quant = hf_config.get("quantization_config")
+        quant = QuantConfig.from_dict(raw_quant, model_dir / "config.json") if raw_quant else None
+        files = _weight_files(model_dir)
+
+    tensors, origin = _read_safetensors(files)
+    _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(_load_state(tensors, cfg, quant, dtype), strict=True, assign=True)
+    model.tie_weights()
+
+    lora = None
+    if (model_dir / PACKAGE_LORA_CONFIG).exists() or (model_dir / PACKAGE_LORA_WEIGHTS).exists():
+        lora = _apply_lora(model, model_dir, dtype, merge=merge_lora)
+
+    card_path = model_dir / PACKAGE_MODEL_CARD
+    model_card = _read_json(card_path) if card_path.exists() else {}
+    model = model.to(device).eval().requires_grad_(False)
+    context = max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    return Drafter(model, cfg, KVCache(cfg, cache_slots, context, device, dtype), quant, lora, model_card, str(model_dir))
+
+
+# ----------------------------------------------------------------------------------------------
+# KV-cache pool: slots allocated once, written by index, matched by exact token prefix, LRU eviction
+
+
+class KVCache:
+    """`num_slots` sequences of up to `max_len` tokens each, plus one scratch slot that absorbs the
+    writes of padding and finished rows so they can never touch a real sequence."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        if num_slots < 2:
+            raise ValueError(f"cache_slots must be at least 2, got {num_slots}")
+        shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+        # torch.empty on CPU does not touch the pages, so memory is committed only as slots fill.
+        self.keys = torch.empty(shape, device=device, dtype=dtype)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.num_slots, self.max_len, self.scratch = num_slots, max_len, num_slots
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV each slot holds
+        self.last_used = [0] * num_slots
+        self.clock = 0
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots, positions (B, T); k, v (B, T, H_kv, D)."""
+        self.keys[layer][slots, :, positions] = k
+        self.values[layer][slots, :, positions] = v
+
+    def read(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H_kv, kv_len, D) keys and values of `slots`; a view when the slots are consecutive."""
+        keys, values = self.keys[layer, :, :, :kv_len], self.values[layer, :, :, :kv_len]
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return keys[slots[0] : slots[0] + len(slots)], values[slots[0] : slots[0] + len(slots)]
+        index = torch.tensor(slots, device=keys.device)
+        return keys.index_select(0, index), values.index_select(0, index)
+
+    def longest_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        """(slot, length) of the longest common prefix between `tokens` and any slot; newest slot on ties."""
+        length, _, slot = max((_common_prefix_len(held, tokens), self.last_used[s], s) for s, held in enumerate(self.tokens))
+        return slot, length
+
+    def assign(self, batch: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Choose a slot for each row and how many of its tokens are reused from the cache.
+
+        A row that extends everything a slot holds continues in that slot. Otherwise it takes the
+        least recently used slot that no row of this batch reads from, and the matched prefix's KV is
+        copied there, so other sequences sharing that prefix keep their own slots.
+        """
+        if len(batch) > self.num_slots // 2:
+            raise ValueError(f"a batch of {len(batch)} needs at least {2 * len(batch)} cache slots, have {self.num_slots}")
+        matches = [self.longest_prefix(row) for row in batch]
+        # At least one token per row must go through the model to produce its next-token logits.
+        reuse = [min(n, len(row) - 1) for row, (_, n) in zip(batch, matches)]
+        sources = {slot for (slot, _), r in zip(matches, reuse) if r > 0}
+        targets: list[int | None] = [None] * len(batch)
+        for i, (slot, n) in enumerate(matches):
+            if reuse[i] > 0 and n == len(self.tokens[slot]) and slot not in targets:
+                targets[i] = slot
+        free = sorted((s for s in range(self.num_slots) if s not in sources and s not in targets), key=lambda s: self.last_used[s])
+        for i, (slot, _) in enumerate(matches):
+            if targets[i] is None:
+                targets[i] = free.pop(0)
+                if reuse[i] > 0:
+                    self.copy_prefix(slot, targets[i], reuse[i])
+        for row, slot, r in zip(batch, targets, reuse):
+            # Until the forward finishes, only the reused prefix of a target slot is known to be valid.
+            self.tokens[slot] = row[:r]
+        return targets, reuse
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+
+    def commit(self, slot: int, tokens: list[int]) -> None:
+        """Record that `slot` now holds the KV of exactly `tokens`."""
+        self.clock += 1
+        self.tokens[slot], self.last_used[slot] = tokens, self.clock
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    mismatch = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
+    return int(mismatch[0]) if len(mismatch) else n
+
+
+# ----------------------------------------------------------------------------------------------
+# The drafter and greedy drafting
+
+PREFILL_CHUNK_TOKENS = 2048  # tokens per prefill forward across the batch; bounds the attention scores' memory
+
+
+class Drafter:
+    """A loaded model with its KV-cache pool, and what a server needs to validate and describe it."""
+
+    def __init__(self, model: Transformer, cfg: ModelConfig, cache: KVCache, quant: QuantConfig | None, lora: LoRAConfig | None, model_card: dict, source: str):
+        self.model, self.cfg, self.cache = model, cfg, cache
+        self.quant, self.lora, self.model_card, self.source = quant, lora, model_card, source
+        self.lock = threading.Lock()  # the cache pool is shared state: one draft_batch at a time
+
+    vocab_size = property(lambda self: self.cfg.vocab_size)
+    max_context = property(lambda self: self.cache.max_len)
+    eos_token_ids = property(lambda self: self.cfg.eos_token_ids)
+    architecture = property(lambda self: self.cfg.architecture)
+    num_layers = property(lambda self: self.cfg.num_layers)
+    quantization = property(lambda self: self.quant.describe() if self.quant else None)
+    lora_rank = property(lambda self: self.lora.rank if self.lora else None)
+    device = property(lambda self: self.model.embed_tokens.weight.device)
+    dtype = property(lambda self: self.model.embed_tokens.weight.dtype)
+
+    def describe(self) -> dict:
+        """JSON-ready identity and limits (the server's /health)."""
+        return {
+            "name": self.model_card.get("name", Path(self.source).name),
+            "architecture": self.architecture,
+            "vocab_size": self.vocab_size,
+            "num_layers": self.num_layers,
+            "hidden_size": self.cfg.hidden_size,
+            "quantization": self.quantization,
+            "lora_rank": self.lora_rank,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_context": self.max_context,
+            "cache_slots": self.cache.num_slots,
+            "eos_token_ids": list(self.eos_token_ids),
+            "model_card": self.model_card,
+        }
+
+
+class Draft(list):
+    """One row's greedy draft tokens (compares equal to a plain list), plus what the call reused."""
+
+    def __init__(self, tokens: list[int], cached_tokens: int, logprobs: list[float] | None = None):
+        super().__init__(tokens)
+        self.cached_tokens = cached_tokens  # prompt tokens whose KV came from the prefix cache
+        self.logprobs = logprobs  # the drafter's log-probability of each draft token
+
+
+@torch.inference_mode()
+def draft_batch(
+    drafter: Drafter,
+    batch: Sequence[Sequence[int]],
+    max_tokens: int | Sequence[int] = 16,
+    return_logprobs: bool = False,
+    stop_token_ids: Sequence[int] | None = None,
+) -> list[Draft]:
+    """Greedy drafts for each sequence of `batch`, up to `max_tokens` each (one value or one per row).
+
+    A row stops after drafting a stop token (default: the model's eos ids) or at the context limit.
+    Rows never influence each other's drafts; prefixes already in the cache are not recomputed.
+    """
+    rows = [list(row) for row in batch]
+    limits = [max_tokens] * len(rows) if isinstance(max_tokens, int) else list(max_tokens)
+    _check_batch(drafter, rows, limits)
+    budgets = [min(limit, drafter.max_context - len(row)) for row, limit in zip(rows, limits)]
+    stop_ids = drafter.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+    per_call = drafter.cache.num_slots // 2  # each row may need a fresh slot beside the one it matched
+    drafts = []
+    with drafter.lock:
+        for start in range(0, len(rows), per_call):
+            end = start + per_call
+            drafts += _draft_rows(drafter, rows[start:end], budgets[start:end], stop_ids, return_logprobs)
+    return drafts
+
+
+def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int]) -> None:
+    if len(limits) != len(rows):
+        raise ValueError(f"max_tokens has {len(limits)} values for {len(rows)} rows")
+    for i, (row, limit) in enumerate(zip(rows, limits)):
+        if not row:
+            raise ValueError(f"row {i}: empty token sequence; send at least one token id")
+        if len(row) > drafter.max_context:
+            raise ValueError(f"row {i}: {len(row)} tokens exceed the context limit of {drafter.max_context}")
+        bad = next((j for j, t in enumerate(row) if not (isinstance(t, int) and 0 <= t < drafter.vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"row {i}: token id {row[bad]!r} at position {bad} is outside the vocabulary [0, {drafter.vocab_size})")
+        if not (isinstance(limit, int) and limit >= 0):
+            raise ValueError(f"row {i}: max_tokens must be a non-negative integer, got {limit!r}")
+
+
+def _draft_rows(drafter: Drafter, rows: list[list[int]], budgets: list[int], stop_ids: Sequence[int], want_logprobs: bool) -> list[Draft]:
+    cache = drafter.cache
+    slots, reused = cache.assign(rows)
+    first_logits = _prefill(drafter.model, cache, rows, slots, reused)
+    tokens, counts, logprobs = _decode(drafter.model, cache, first_logits, rows, slots, budgets, stop_ids, want_logprobs)
+    tokens, counts = tokens.tolist(), counts.tolist()  # the one device -> host transfer of the call
+    logprobs = logprobs.tolist() if want_logprobs else None
+    drafts = []
+    for b, (row, slot) in enumerate(zip(rows, slots)):
+        drafted = tokens[b][: counts[b]]
+        cache.commit(slot, row + drafted[:-1])  # every draft token but the last was fed through the model
+        drafts.append(Draft(drafted, reused[b], logprobs[b][: counts[b]] if logprobs else None))
+    return drafts
+
+
+def _prefill(model: Transformer, cache: KVCache, rows: list[list[int]], slots: list[int], reused: list[int]) -> torch.Tensor:
+    """Run each row's uncached suffix through the model, in chunks; the last token's logits (B, vocab)."""
+    device = model.embed_tokens.weight.device
+    suffixes = [row[r:] for row, r in zip(rows, reused)]
+    longest = max(len(s) for s in suffixes)
+    chunk = max(1, PREFILL_CHUNK_TOKENS // len(rows))
+    last_hidden = [None] * len(rows)
+    for start in range(0, longest, chunk):
+        width = min(chunk, longest - start)
+        # Rows are right-padded; padding sits at position 0 and writes only to the scratch slot.
+        token_ids, positions, write_slots = [], [], []
+        for suffix, r, slot in zip(suffixes, reused, slots):
+            part = suffix[start : start + width]
+            pad = width - len(part)
+            token_ids.append(part + [0] * pad)
+            positions.append(list(range(r + start, r + start + len(part))) + [0] * pad)
+            write_slots.append([slot] * len(part) + [cache.scratch] * pad)
+        kv_len = max(r + min(len(s), start + width) for s, r in zip(suffixes, reused))
+        at = ForwardInputs(torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), slots, kv_len)
+        hidden = model(torch.tensor(token_ids, device=device), cache, at)  # (B, width, hidden)
+        for b, suffix in enumerate(suffixes):
+            if start <= len(suffix) - 1 < start + width:
+                last_hidden[b] = hidden[b, len(suffix) - 1 - start]
+    return model.logits(torch.stack(last_hidden))
+
+
+def _decode(
+    model: Transformer,
+    cache: KVCache,
+    logits: torch.Tensor,
+    rows: list[list[int]],
+    slots: list[int],
+    budgets: list[int],
+    stop_ids: Sequence[int],
+    want_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Greedy decoding of the whole batch, one forward per step; everything stays on the device.
+
+    Returns draft tokens (B, steps), how many of them each row drafted (B,), and their logprobs.
+    """
+    device = logits.device
+    steps = max(max(budgets), 1)
+    lengths = torch.tensor([len(row) for row in rows], device=device)
+    budget = torch.tensor(budgets, device=device)
+    slot_ids = torch.tensor(slots, device=device)
+    stop = torch.tensor(list(stop_ids), device=device, dtype=torch.long)
+    tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=device)
+    logprobs = torch.zeros(len(rows), steps, device=device) if want_logprobs else None
+    counts = torch.zeros(len(rows), dtype=torch.long, device=device)
+    alive = budget > 0  # rows still drafting
+    longest = max(len(row) for row in rows)
+    for step in range(steps):
+        token = logits.argmax(dim=-1)  # (B,)
+        tokens[:, step] = token
+        if want_logprobs:
+            logprobs[:, step] = logits.log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
+        counts += alive
+        alive = alive & ~torch.isin(token, stop) & (budget > step + 1)
+        if step + 1 == steps or not alive.any():
+            break
+        # Feed each live row's new token at the next position; finished rows write to scratch.
+        positions = torch.where(alive, lengths + step, 0)[:, None]
+        write_slots = torch.where(alive, slot_ids, cache.scratch)[:, None]
+        at = ForwardInputs(positions, write_slots, slots, min(longest + step + 1, cache.max_len))
+        logits = model.logits(model(token[:, None], cache, at)[:, -1])
+    return tokens, counts, logprobs
