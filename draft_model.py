@@ -155,7 +155,7 @@ def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     shifts = (4 * torch.arange(NIBBLES_PER_INT32)).reshape(1, -1, *([1] * (values.dim() - 1)))
     packed = (groups << shifts).sum(dim=1)  # 0 .. 2^32 - 1
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # reinterpret as two's complement int32
-    return packed.to(torch.int32).movedim(0, dim)
+    return packed.to(torch.int32).movedim(0, dim).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -592,6 +592,7 @@ class KVCache:
         self.keys = torch.empty(shape, device=device, dtype=dtype)
         self.values = torch.empty(shape, device=device, dtype=dtype)
         self.num_slots, self.max_len, self.scratch = num_slots, max_len, num_slots
+        self.zeroed = [0] * num_slots  # positions 0..zeroed-1 of a slot hold numbers, not uninitialised memory
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV each slot holds
         self.last_used = [0] * num_slots
         self.clock = 0
@@ -642,9 +643,20 @@ class KVCache:
             self.tokens[slot] = row[:r]
         return targets, reuse
 
+    def clear_garbage(self, slots: list[int], length: int) -> None:
+        """Zero positions below `length` of `slots` never written before. A shorter row reads past its
+        end up to the batch's longest row; those keys are masked, but a NaN from uninitialised memory
+        would still leak through the attention weights (0 * NaN = NaN)."""
+        for slot in slots:
+            if self.zeroed[slot] < length:
+                self.keys[:, slot, :, self.zeroed[slot] : length] = 0
+                self.values[:, slot, :, self.zeroed[slot] : length] = 0
+                self.zeroed[slot] = length
+
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        self.zeroed[target] = max(self.zeroed[target], length)
 
     def commit(self, slot: int, tokens: list[int]) -> None:
         """Record that `slot` now holds the KV of exactly `tokens`."""
@@ -757,6 +769,7 @@ def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int]) -> 
 def _draft_rows(drafter: Drafter, rows: list[list[int]], budgets: list[int], stop_ids: Sequence[int], want_logprobs: bool) -> list[Draft]:
     cache = drafter.cache
     slots, reused = cache.assign(rows)
+    cache.clear_garbage(slots, min(max(len(row) + budget for row, budget in zip(rows, budgets)), cache.max_len))
     first_logits = _prefill(drafter.model, cache, rows, slots, reused)
     tokens, counts, logprobs = _decode(drafter.model, cache, first_logits, rows, slots, budgets, stop_ids, want_logprobs)
     tokens, counts = tokens.tolist(), counts.tolist()  # the one device -> host transfer of the call

@@ -171,3 +171,183 @@ def test_bad_rows_are_refused(qwen3, row, message):
     drafter = draft_model.load_model(qwen3[1], cache_slots=2, max_context=40)
     with pytest.raises(ValueError, match=message):
         draft_model.draft_batch(drafter, [[4, 5], row])
+
+
+# ---- GPTQ INT4 layout
+
+
+def test_int4_packing_is_low_nibble_first_and_round_trips():
+    nibbles = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    packed = draft_model.pack_int4(nibbles[:, None], dim=0)
+    assert packed.dtype == torch.int32 and packed.item() == 0x87654321 - 2**32
+    values = torch.randint(0, 16, (16, 24))
+    for dim in (0, 1):
+        assert torch.equal(draft_model.unpack_int4(draft_model.pack_int4(values, dim), dim), values)
+
+
+def test_v1_checkpoints_store_zero_minus_one():
+    ints = torch.randint(0, 16, (8, 32))
+    zeros = torch.full((1, 8), 8)
+    tensors = draft_model.gptq_pack(ints, zeros, torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
+    assert tensors["qzeros"].item() == 0x77777777  # every symmetric zero 8 stored as 7
+    asymmetric = draft_model.gptq_pack(ints, torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
+    assert asymmetric["qzeros"].item() == -1  # zero 0 is stored as 15 in every nibble
+    weight = draft_model.gptq_dequantize(**asymmetric)
+    assert torch.equal(weight, ints.float())
+
+
+def quantize_into(hf_model, group_size: int, sym: bool, desc_act: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Give every decoder projection of `hf_model` known INT4 weights; return their GPTQ tensors (HF names).
+
+    The dense weight each layer gets is computed here from the integers by the format's definition,
+    W[n, k] = scale[g[k], n] * (q[n, k] - zero[g[k], n]), independently of draft_model's unpacking.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in hf_model.named_modules():
+        if not name.startswith("model.layers.") or not isinstance(module, torch.nn.Linear):
+            continue
+        out_features, in_features = module.weight.shape
+        n_groups = in_features // group_size
+        ints = torch.randint(0, 16, (out_features, in_features), generator=generator)
+        zeros = torch.full((n_groups, out_features), 8) if sym else torch.randint(0, 16, (n_groups, out_features), generator=generator)
+        scales = (torch.rand(n_groups, out_features, generator=generator) * 0.03 + 0.005).half()
+        columns = torch.randperm(in_features, generator=generator) if desc_act else torch.arange(in_features)
+        g_idx = (columns // group_size).int()  # act-order: each column's group follows its quantization order
+        module.weight.data = (scales.float()[g_idx.long()] * (ints.t() - zeros[g_idx.long()]).float()).t().contiguous()
+        for part, tensor in draft_model.gptq_pack(ints, zeros, scales, g_idx).items():
+            tensors[f"{name}.{part}"] = tensor
+    return tensors
+
+
+def write_gptq_checkpoint(hf_model, directory, gptq_tensors, quant_config: dict, as_package: bool) -> None:
+    """A GPTQ checkpoint as the ecosystem writes it (quantization_config in config.json, model.safetensors)
+    or as our model package (quant_config.json, model_int4.safetensors)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dense = {k: v for k, v in hf_model.state_dict().items() if not (k.endswith(".weight") and k[: -len(".weight")] + ".qweight" in gptq_tensors)}
+    if hf_model.config.tie_word_embeddings:
+        del dense["lm_head.weight"]
+    config = hf_model.config.to_dict()
+    if as_package:
+        (directory / "quant_config.json").write_text(json.dumps(quant_config))
+        save_file({**dense, **gptq_tensors}, directory / "model_int4.safetensors")
+    else:
+        config["quantization_config"] = quant_config
+        save_file({**dense, **gptq_tensors}, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+GPTQ_CASES = [
+    dict(group_size=32, sym=True, desc_act=False, as_package=True),
+    dict(group_size=64, sym=False, desc_act=False, as_package=False),
+    dict(group_size=32, sym=False, desc_act=True, as_package=True),
+    dict(group_size=128, sym=True, desc_act=True, as_package=False),
+]
+
+
+@pytest.mark.parametrize("case", GPTQ_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_gptq_checkpoint_loads_to_the_weights_the_format_defines(tmp_path, case):
+    hf_model = make_hf_model("qwen3", hidden_size=128, intermediate_size=256, head_dim=32, tie_word_embeddings=case["sym"])
+    gptq = quantize_into(hf_model, case["group_size"], case["sym"], case["desc_act"], seed=10)
+    quant_config = {"quant_method": "gptq", "bits": 4, "group_size": case["group_size"], "sym": case["sym"], "desc_act": case["desc_act"], "checkpoint_format": "gptq"}
+    write_gptq_checkpoint(hf_model, tmp_path, gptq, quant_config, case["as_package"])
+    drafter = draft_model.load_model(tmp_path, cache_slots=4)
+    reference = dict(hf_model.named_parameters())
+    for name, parameter in drafter.model.named_parameters():
+        assert torch.equal(parameter, reference["model." + name if not name.startswith("lm_head") else name]), name
+    assert drafter.quantization["group_size"] == case["group_size"]
+    row = random_rows([50], seed=11)[0]
+    assert draft_model.draft_batch(drafter, [row], max_tokens=12)[0] == reference_greedy(hf_model, row, 12)
+
+
+@pytest.fixture
+def gptq_package(tmp_path):
+    hf_model = make_hf_model("qwen3")
+    gptq = quantize_into(hf_model, 32, True, False, seed=12)
+    quant_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "checkpoint_format": "gptq"}
+    write_gptq_checkpoint(hf_model, tmp_path / "package", gptq, quant_config, as_package=True)
+    return hf_model, tmp_path / "package"
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("missing", "missing tensor 'model.layers.1.mlp.down_proj.scales'"),
+        ("unexpected", "unexpected tensor 'model.layers.0.extra.weight'"),
+        ("misshaped", r"tensor 'model.layers.0.self_attn.q_proj.qweight' has shape \[4, 64\], expected \[8, 64\]"),
+    ],
+)
+def test_damaged_checkpoints_are_refused_naming_the_tensor(gptq_package, damage, message):
+    _, directory = gptq_package
+    path = directory / "model_int4.safetensors"
+    tensors = load_file(path)
+    if damage == "missing":
+        del tensors["model.layers.1.mlp.down_proj.scales"]
+    elif damage == "unexpected":
+        tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+    else:
+        tensors["model.layers.0.self_attn.q_proj.qweight"] = tensors["model.layers.0.self_attn.q_proj.qweight"][:4]
+    save_file(tensors, path)
+    with pytest.raises(draft_model.ModelLoadError, match=message):
+        draft_model.load_model(directory)
+
+
+def test_unsupported_quantization_is_refused(gptq_package):
+    _, directory = gptq_package
+    (directory / "quant_config.json").write_text(json.dumps({"quant_method": "gptq", "bits": 8, "group_size": 32}))
+    with pytest.raises(draft_model.ModelLoadError, match="bits 8 is not supported"):
+        draft_model.load_model(directory)
+
+
+# ---- LoRA from a PEFT adapter
+
+
+def add_peft_adapter(hf_model, directory, **overrides):
+    """Wrap `hf_model` in a random (non-zero) PEFT LoRA, save it under the package's file names."""
+    settings = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    settings.update(overrides)
+    torch.manual_seed(13)
+    peft_model = peft.get_peft_model(hf_model, peft.LoraConfig(**settings)).eval()
+    adapter_dir = directory.parent / "adapter"
+    peft_model.save_pretrained(adapter_dir)
+    shutil.copy(adapter_dir / "adapter_model.safetensors", directory / "lora.safetensors")
+    shutil.copy(adapter_dir / "adapter_config.json", directory / "lora_config.json")
+    return peft_model
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])])
+def test_lora_matches_peft_merged_and_unmerged(tmp_path, overrides):
+    hf_model = make_hf_model("qwen3", tie_word_embeddings=False)
+    directory = write_hf_checkpoint(hf_model, tmp_path / "model")
+    peft_model = add_peft_adapter(hf_model, directory, **overrides)
+    tokens = random_rows([40], seed=14)[0]
+    with torch.no_grad():
+        expected = peft_model(torch.tensor([tokens])).logits[0]
+    unmerged = draft_model.load_model(directory, cache_slots=2, merge_lora=False)
+    merged = draft_model.load_model(directory, cache_slots=2)
+    assert isinstance(unmerged.model.layers[0].mlp.down_proj if not overrides else unmerged.model.layers[0].mlp.up_proj, draft_model.LoRALinear)
+    assert unmerged.lora_rank == merged.lora_rank == 4
+    assert (forward_all(unmerged, tokens) - expected).abs().max() <= 1e-4
+    assert (forward_all(merged, tokens) - expected).abs().max() <= 1e-4
+    assert draft_model.draft_batch(merged, [tokens], 12) == draft_model.draft_batch(unmerged, [tokens], 12)
+
+
+def test_gptq_package_with_lora_matches_peft_on_the_dequantized_model(gptq_package):
+    hf_model, directory = gptq_package
+    peft_model = add_peft_adapter(hf_model, directory)
+    drafter = draft_model.load_model(directory, cache_slots=2)
+    tokens = random_rows([30], seed=15)[0]
+    with torch.no_grad():
+        expected = peft_model(torch.tensor([tokens])).logits[0]
+    assert (forward_all(drafter, tokens) - expected).abs().max() <= 1e-4
+
+
+def test_lora_adapter_with_wrong_shapes_is_refused(gptq_package):
+    hf_model, directory = gptq_package
+    add_peft_adapter(hf_model, directory)
+    tensors = load_file(directory / "lora.safetensors")
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[name] = tensors[name][:2]
+    save_file(tensors, directory / "lora.safetensors")
+    with pytest.raises(draft_model.ModelLoadError, match=r"lora.safetensors: tensor '.*q_proj.lora_A.weight' has shape \[2, 64\], expected \[4, 64\]"):
+        draft_model.load_model(directory)
