@@ -15,6 +15,7 @@ a slot is matched to a request by token equality, and KV beyond the matched pref
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
@@ -26,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -186,6 +189,53 @@ def gptq_dequantize(
     groups = g_idx.to(torch.int64)
     weight = scales.float()[groups] * (q - zeros[groups]).float()  # (K, N)
     return weight.t().contiguous()
+
+
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts
+INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x slower on these CPUs
+
+
+class Int4Linear(nn.Module):
+    """A GPTQ linear kept packed at 4 bits per weight and multiplied by PyTorch's CPU INT4 kernel.
+
+    The kernel dequantizes W = (q - 8) * scale + offset per group, so GPTQ's scale * (q - zero) becomes
+    offset = scale * (8 - zero). Only plain group order (g_idx[k] = k // group_size) maps onto it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("packed_weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_offsets", torch.empty(in_features // group_size, out_features, 2, dtype=INT4_KERNEL_DTYPE))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=INT4_KERNEL_DTYPE)) if bias else None
+
+    @staticmethod
+    def pack_gptq(qweight, qzeros, scales, g_idx, checkpoint_format: str) -> dict[str, torch.Tensor]:
+        """GPTQ tensors -> this module's buffers (CPU)."""
+        q = unpack_int4(qweight, dim=0).t().to(torch.int32).contiguous()  # (N, K)
+        zeros = (unpack_int4(qzeros, dim=1) + ZERO_OFFSET[checkpoint_format]) & 0xF  # (K/G, N)
+        scales = scales.float()
+        return {
+            "packed_weight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2),
+            "scales_and_offsets": torch.stack([scales, scales * (8 - zeros)], dim=2).to(INT4_KERNEL_DTYPE),
+        }
+
+    @staticmethod
+    def unsupported(in_features: int, out_features: int, group_size: int, g_idx: torch.Tensor) -> str | None:
+        """Why this layer cannot use the kernel, or None when it can."""
+        if group_size not in INT4_KERNEL_GROUP_SIZES:
+            return f"group size {group_size} is not one of {INT4_KERNEL_GROUP_SIZES}"
+        if out_features % 16:
+            return f"{out_features} output features are not a multiple of 16"
+        if not torch.equal(g_idx.to(torch.int64), torch.arange(in_features) // group_size):
+            return "act-order g_idx reorders groups"
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_offsets)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,22 +517,40 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _load_state(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> our state dict in the compute dtype, dequantizing GPTQ linears.
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype, packed: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Checkpoint tensors -> our state dict in the compute dtype.
 
-    This is the seam for a packed INT4 path: today every quantized linear becomes a dense weight.
+    Each GPTQ linear becomes Int4Linear buffers when `packed` and the kernel can take it, else a dense
+    dequantized weight. Returns the state and, for every quantized linear left dense, the reason.
     """
-    state = {}
-    quantized = set(_quantized_linears(cfg, quant)) if quant else set()
-    for name in quantized:
+    state, dense_reasons = {}, {}
+    for name in _quantized_linears(cfg, quant) if quant else []:
         parts = {part: tensors.pop(f"model.{name}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")}
-        state[f"{name}.weight"] = gptq_dequantize(**parts, checkpoint_format=quant.checkpoint_format).to(dtype)
+        out_features, in_features = parts["scales"].shape[1], parts["g_idx"].shape[0]
+        reason = Int4Linear.unsupported(in_features, out_features, quant.group_size, parts["g_idx"]) if packed else "dense weights chosen"
+        if reason is None:
+            state.update({f"{name}.{k}": v for k, v in Int4Linear.pack_gptq(**parts, checkpoint_format=quant.checkpoint_format).items()})
+        else:
+            dense_reasons[name] = reason
+            state[f"{name}.weight"] = gptq_dequantize(**parts, checkpoint_format=quant.checkpoint_format).to(dtype)
     for hf_name, tensor in tensors.items():
         state[hf_name.removeprefix("model.")] = tensor.to(dtype)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    return state
+    return state, dense_reasons
+
+
+def _skeleton(cfg: ModelConfig, quant: QuantConfig | None, int4_layers: list[str]) -> Transformer:
+    """The model on the meta device, with Int4Linear where packed weights will be loaded."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        for name in int4_layers:
+            dense = model.get_submodule(name)
+            parent_name, _, attr = name.rpartition(".")
+            int4 = Int4Linear(dense.in_features, dense.out_features, quant.group_size, bias=dense.bias is not None)
+            setattr(model.get_submodule(parent_name), attr, int4)
+    return model
 
 
 def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: bool) -> LoRAConfig:
@@ -506,22 +574,45 @@ def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: b
             tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(dtype),
             lora.scale,
         )
-        setattr(model.get_submodule(parent_name), attr, wrapped.merge() if merge else wrapped)
+        keep_unmerged = not merge or isinstance(wrapped.base, Int4Linear)  # packed bits cannot absorb B @ A
+        setattr(model.get_submodule(parent_name), attr, wrapped if keep_unmerged else wrapped.merge())
     return lora
 
 
-def _resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+WEIGHT_PATHS = ("auto", "packed", "dequant")
+
+
+def _resolve_runtime(
+    device: str | torch.device | None, dtype: str | torch.dtype | None, weights: str, quant: QuantConfig | None
+) -> tuple[torch.device, torch.dtype, bool]:
+    """(device, dtype, packed): the fastest path that keeps its promises, unless the caller chose.
+
+    Packed INT4 runs on the CPU kernel with bf16 activations; dense weights default to bf16 on CUDA
+    and fp32 on CPU (bf16 matmuls are not faster than fp32 on every CPU, and fp32 is the exact one).
+    """
+    if weights not in WEIGHT_PATHS:
+        raise ValueError(f"weights {weights!r} is not one of {WEIGHT_PATHS}")
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    if dtype in (None, "auto"):
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-        if dtype not in names:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(names)}")
-        dtype = names[dtype]
-    return device, dtype
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
+        dtype = DTYPES[dtype]
+    dtype = None if dtype == "auto" else dtype
+    blocker = (
+        "the model is not GPTQ-quantized" if quant is None
+        else f"the INT4 kernel runs on cpu, not {device.type}" if device.type != "cpu"
+        else f"the INT4 kernel needs bfloat16 activations, not {dtype}" if dtype not in (None, INT4_KERNEL_DTYPE)
+        else None
+    )
+    if weights == "packed" and blocker:
+        raise ModelLoadError(f"weights='packed' is not possible: {blocker}")
+    packed = weights != "dequant" and blocker is None
+    if dtype is None:
+        dtype = INT4_KERNEL_DTYPE if packed or device.type == "cuda" else torch.float32
+    return device, dtype, packed
 
 
 def load_model(
@@ -532,15 +623,18 @@ def load_model(
     cache_slots: int = 16,
     max_context: int | None = None,
     merge_lora: bool = True,
+    weights: str = "auto",
 ) -> "Drafter":
     """Load a model package or a Hugging Face checkpoint directory, strictly (see DESIGN section 5).
 
-    device: cuda when available, else cpu. dtype: bf16 on cuda, fp32 on cpu.
+    device: cuda when available, else cpu. weights: "packed" keeps GPTQ linears at 4 bits and
+    multiplies with PyTorch's CPU INT4 kernel (bf16); "dequant" expands them to dense weights;
+    "auto" packs whenever the kernel can run. dtype: bf16 when packed or on cuda, else fp32.
     cache_slots: prefix-cache slots (a batch uses at most half of them). max_context: tokens per
-    slot, default min(max_position_embeddings, 4096).
+    slot, default min(max_position_embeddings, 4096). LoRA is merged into dense weights by default
+    and always kept as side matmuls beside packed ones.
     """
     model_dir = Path(model_dir)
-    device, dtype = _resolve_device_dtype(device, dtype)
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"{model_dir}: no config.json; expected a model package or a Hugging Face checkpoint directory")
     hf_config = _read_json(model_dir / "config.json")
@@ -558,12 +652,17 @@ def load_model(
         quant = QuantConfig.from_dict(raw_quant, model_dir / "config.json") if raw_quant else None
         files = _weight_files(model_dir)
 
+    device, dtype, packed = _resolve_runtime(device, dtype, weights, quant)
     tensors, origin = _read_safetensors(files)
     _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(_load_state(tensors, cfg, quant, dtype), strict=True, assign=True)
+    state, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed)
+    int4_layers = [n for n in _quantized_linears(cfg, quant) if n not in dense_reasons] if quant else []
+    model = _skeleton(cfg, quant, int4_layers)
+    model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
+    if packed and dense_reasons:
+        name, reason = next(iter(dense_reasons.items()))
+        log.warning("%d of %d quantized linears stay dense (e.g. %s: %s)", len(dense_reasons), len(dense_reasons) + len(int4_layers), name, reason)
 
     lora = None
     if (model_dir / PACKAGE_LORA_CONFIG).exists() or (model_dir / PACKAGE_LORA_WEIGHTS).exists():
@@ -695,6 +794,12 @@ class Drafter:
     lora_rank = property(lambda self: self.lora.rank if self.lora else None)
     device = property(lambda self: self.model.embed_tokens.weight.device)
     dtype = property(lambda self: self.model.embed_tokens.weight.dtype)
+    weights = property(lambda self: "packed" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "dense")
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the model's parameters and buffers (a tied embedding counted once)."""
+        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def describe(self) -> dict:
         """JSON-ready identity and limits (the server's /health)."""
@@ -708,6 +813,8 @@ class Drafter:
             "lora_rank": self.lora_rank,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.weights,
+            "weight_bytes": self.weight_bytes(),
             "max_context": self.max_context,
             "cache_slots": self.cache.num_slots,
             "eos_token_ids": list(self.eos_token_ids),

@@ -251,7 +251,8 @@ def test_gptq_checkpoint_loads_to_the_weights_the_format_defines(tmp_path, case)
     gptq = quantize_into(hf_model, case["group_size"], case["sym"], case["desc_act"], seed=10)
     quant_config = {"quant_method": "gptq", "bits": 4, "group_size": case["group_size"], "sym": case["sym"], "desc_act": case["desc_act"], "checkpoint_format": "gptq"}
     write_gptq_checkpoint(hf_model, tmp_path, gptq, quant_config, case["as_package"])
-    drafter = draft_model.load_model(tmp_path, cache_slots=4)
+    drafter = draft_model.load_model(tmp_path, cache_slots=4, weights="dequant")
+    assert drafter.dtype == torch.float32 and drafter.weights == "dense"
     reference = dict(hf_model.named_parameters())
     for name, parameter in drafter.model.named_parameters():
         assert torch.equal(parameter, reference["model." + name if not name.startswith("lm_head") else name]), name
@@ -335,7 +336,7 @@ def test_lora_matches_peft_merged_and_unmerged(tmp_path, overrides):
 def test_gptq_package_with_lora_matches_peft_on_the_dequantized_model(gptq_package):
     hf_model, directory = gptq_package
     peft_model = add_peft_adapter(hf_model, directory)
-    drafter = draft_model.load_model(directory, cache_slots=2)
+    drafter = draft_model.load_model(directory, cache_slots=2, weights="dequant")
     tokens = random_rows([30], seed=15)[0]
     with torch.no_grad():
         expected = peft_model(torch.tensor([tokens])).logits[0]
@@ -351,3 +352,62 @@ def test_lora_adapter_with_wrong_shapes_is_refused(gptq_package):
     save_file(tensors, directory / "lora.safetensors")
     with pytest.raises(draft_model.ModelLoadError, match=r"lora.safetensors: tensor '.*q_proj.lora_A.weight' has shape \[2, 64\], expected \[4, 64\]"):
         draft_model.load_model(directory)
+
+
+# ---- packed INT4 path (PyTorch's CPU kernel, bf16 activations)
+
+
+def test_int4_kernel_layer_computes_the_gptq_weights():
+    generator = torch.Generator().manual_seed(16)
+    out_features, in_features, group_size = 64, 128, 32
+    ints = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    zeros = torch.randint(0, 16, (in_features // group_size, out_features), generator=generator)
+    scales = torch.rand(in_features // group_size, out_features, generator=generator) * 0.03 + 0.005
+    gptq = draft_model.gptq_pack(ints, zeros, scales, torch.arange(in_features) // group_size)
+    layer = draft_model.Int4Linear(in_features, out_features, group_size, bias=False)
+    layer.load_state_dict(draft_model.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
+    x = torch.randn(3, 5, in_features, generator=generator)
+    expected = x @ draft_model.gptq_dequantize(**gptq).t()
+    error = (layer(x.bfloat16()).float() - expected).abs().max() / expected.abs().max()
+    assert error < 2e-2, f"relative error {error:.4f}: the layout conversion is wrong, not just bf16 rounding"
+
+
+def test_packed_path_is_the_cpu_default_and_drafts_like_dense(gptq_package):
+    hf_model, directory = gptq_package
+    packed = draft_model.load_model(directory, cache_slots=4)
+    dense = draft_model.load_model(directory, cache_slots=4, weights="dequant")
+    assert (packed.weights, packed.dtype) == ("packed", torch.bfloat16)
+    assert (dense.weights, dense.dtype) == ("dense", torch.float32)
+    assert packed.weight_bytes() < dense.weight_bytes()
+    rows = random_rows([20, 45, 90], seed=17)
+    packed_drafts = draft_model.draft_batch(packed, rows, max_tokens=16)
+    dense_drafts = draft_model.draft_batch(dense, rows, max_tokens=16)
+    # bf16 activations may flip a near-tie late in a draft; the first tokens must agree.
+    assert all(p[:4] == d[:4] for p, d in zip(packed_drafts, dense_drafts))
+    # The packed path obeys the same exactness rules as the dense one: batching and caching change nothing.
+    assert [draft_model.draft_batch(packed, [row], max_tokens=16)[0] for row in rows] == packed_drafts
+
+
+def test_packed_lora_stays_unmerged_beside_int4(gptq_package):
+    hf_model, directory = gptq_package
+    peft_model = add_peft_adapter(hf_model, directory)
+    drafter = draft_model.load_model(directory, cache_slots=2)
+    q_proj = drafter.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, draft_model.LoRALinear) and isinstance(q_proj.base, draft_model.Int4Linear)
+    tokens = random_rows([30], seed=18)[0]
+    with torch.no_grad():
+        expected = peft_model(torch.tensor([tokens])).logits[0]
+    error = (forward_all(drafter, tokens) - expected).abs().max() / expected.abs().max()
+    assert error < 5e-2
+
+
+def test_act_order_layers_fall_back_to_dense(tmp_path, caplog):
+    hf_model = make_hf_model("qwen3")
+    gptq = quantize_into(hf_model, 32, True, True, seed=19)
+    quant_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
+    write_gptq_checkpoint(hf_model, tmp_path, gptq, quant_config, as_package=True)
+    drafter = draft_model.load_model(tmp_path, cache_slots=2)
+    assert drafter.weights == "dense" and drafter.dtype == torch.bfloat16
+    assert "act-order g_idx reorders groups" in caplog.text
+    with pytest.raises(draft_model.ModelLoadError, match="needs bfloat16 activations"):
+        draft_model.load_model(tmp_path, dtype="float32", weights="packed")
