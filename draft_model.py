@@ -400,6 +400,13 @@ class QuantConfig:
             modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
         )
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense weights under Hugging Face names (LoRA merged): load them into the matching
+        transformers model to train or compare on exactly what this drafter computes with."""
+        if any(isinstance(m, (Int4Linear, LoRALinear)) for m in self.model.modules()):
+            raise ValueError("hf_state_dict needs dense, merged weights: load with weights='dequant' and merge_lora=True")
+        return {_hf_name(name): tensor for name, tensor in self.model.state_dict().items()}
+
     def describe(self) -> dict:
         return {"method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act}
 
@@ -693,6 +700,7 @@ class KVCache:
         self.num_slots, self.max_len, self.scratch = num_slots, max_len, num_slots
         self.zeroed = [0] * num_slots  # positions 0..zeroed-1 of a slot hold numbers, not uninitialised memory
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV each slot holds
+        self.prompt_len = [0] * num_slots  # how many of them a request sent; the rest are the slot's own drafts
         self.last_used = [0] * num_slots
         self.clock = 0
 
@@ -717,9 +725,11 @@ class KVCache:
     def assign(self, batch: list[list[int]]) -> tuple[list[int], list[int]]:
         """Choose a slot for each row and how many of its tokens are reused from the cache.
 
-        A row that extends everything a slot holds continues in that slot. Otherwise it takes the
-        least recently used slot that no row of this batch reads from, and the matched prefix's KV is
-        copied there, so other sequences sharing that prefix keep their own slots.
+        A row that extends the request a slot last served continues in that slot: what the slot holds
+        beyond the match is its own draft, which the row's accepted tokens supersede (the harness'
+        loop). Otherwise the row takes the least recently used slot that no row of this batch reads
+        from, and the matched prefix's KV is copied there, so a conversation sharing only a prefix
+        (a system prompt) with another keeps its own slot.
         """
         if len(batch) > self.num_slots // 2:
             raise ValueError(f"a batch of {len(batch)} needs at least {2 * len(batch)} cache slots, have {self.num_slots}")
@@ -729,7 +739,7 @@ class KVCache:
         sources = {slot for (slot, _), r in zip(matches, reuse) if r > 0}
         targets: list[int | None] = [None] * len(batch)
         for i, (slot, n) in enumerate(matches):
-            if reuse[i] > 0 and n == len(self.tokens[slot]) and slot not in targets:
+            if reuse[i] > 0 and n >= self.prompt_len[slot] and slot not in targets:
                 targets[i] = slot
         free = sorted((s for s in range(self.num_slots) if s not in sources and s not in targets), key=lambda s: self.last_used[s])
         for i, (slot, _) in enumerate(matches):
@@ -739,7 +749,7 @@ class KVCache:
                     self.copy_prefix(slot, targets[i], reuse[i])
         for row, slot, r in zip(batch, targets, reuse):
             # Until the forward finishes, only the reused prefix of a target slot is known to be valid.
-            self.tokens[slot] = row[:r]
+            self.tokens[slot], self.prompt_len[slot] = row[:r], r
         return targets, reuse
 
     def clear_garbage(self, slots: list[int], length: int) -> None:
@@ -757,10 +767,10 @@ class KVCache:
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
         self.zeroed[target] = max(self.zeroed[target], length)
 
-    def commit(self, slot: int, tokens: list[int]) -> None:
-        """Record that `slot` now holds the KV of exactly `tokens`."""
+    def commit(self, slot: int, prompt: list[int], fed_drafts: list[int]) -> None:
+        """Record that `slot` now holds the KV of exactly `prompt` followed by `fed_drafts`."""
         self.clock += 1
-        self.tokens[slot], self.last_used[slot] = tokens, self.clock
+        self.tokens[slot], self.prompt_len[slot], self.last_used[slot] = prompt + fed_drafts, len(prompt), self.clock
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -801,6 +811,13 @@ class Drafter:
         tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense weights under Hugging Face names (LoRA merged): load them into the matching
+        transformers model to train or compare on exactly what this drafter computes with."""
+        if any(isinstance(m, (Int4Linear, LoRALinear)) for m in self.model.modules()):
+            raise ValueError("hf_state_dict needs dense, merged weights: load with weights='dequant' and merge_lora=True")
+        return {_hf_name(name): tensor for name, tensor in self.model.state_dict().items()}
+
     def describe(self) -> dict:
         """JSON-ready identity and limits (the server's /health)."""
         return {
@@ -838,15 +855,18 @@ def draft_batch(
     max_tokens: int | Sequence[int] = 16,
     return_logprobs: bool = False,
     stop_token_ids: Sequence[int] | None = None,
+    min_confidence: float | Sequence[float] = 0.0,
 ) -> list[Draft]:
     """Greedy drafts for each sequence of `batch`, up to `max_tokens` each (one value or one per row).
 
-    A row stops after drafting a stop token (default: the model's eos ids) or at the context limit.
+    A row stops after drafting a stop token (default: the model's eos ids), at the context limit, or
+    after drafting a token whose probability is below its `min_confidence` (adaptive draft length:
+    that token is still returned, since verifying one more token costs the target almost nothing).
     Rows never influence each other's drafts; prefixes already in the cache are not recomputed.
     """
     rows = [list(row) for row in batch]
-    limits = [max_tokens] * len(rows) if isinstance(max_tokens, int) else list(max_tokens)
-    _check_batch(drafter, rows, limits)
+    limits, thresholds = _per_row(max_tokens, len(rows), "max_tokens"), _per_row(min_confidence, len(rows), "min_confidence")
+    _check_batch(drafter, rows, limits, thresholds)
     budgets = [min(limit, drafter.max_context - len(row)) for row, limit in zip(rows, limits)]
     stop_ids = drafter.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
     per_call = drafter.cache.num_slots // 2  # each row may need a fresh slot beside the one it matched
@@ -854,14 +874,19 @@ def draft_batch(
     with drafter.lock:
         for start in range(0, len(rows), per_call):
             end = start + per_call
-            drafts += _draft_rows(drafter, rows[start:end], budgets[start:end], stop_ids, return_logprobs)
+            drafts += _draft_rows(drafter, rows[start:end], budgets[start:end], thresholds[start:end], stop_ids, return_logprobs)
     return drafts
 
 
-def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int]) -> None:
-    if len(limits) != len(rows):
-        raise ValueError(f"max_tokens has {len(limits)} values for {len(rows)} rows")
-    for i, (row, limit) in enumerate(zip(rows, limits)):
+def _per_row(value, n_rows: int, name: str) -> list:
+    values = list(value) if isinstance(value, Sequence) else [value] * n_rows
+    if len(values) != n_rows:
+        raise ValueError(f"{name} has {len(values)} values for {n_rows} rows")
+    return values
+
+
+def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int], thresholds: list[float]) -> None:
+    for i, (row, limit, threshold) in enumerate(zip(rows, limits, thresholds)):
         if not row:
             raise ValueError(f"row {i}: empty token sequence; send at least one token id")
         if len(row) > drafter.max_context:
@@ -871,20 +896,24 @@ def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int]) -> 
             raise ValueError(f"row {i}: token id {row[bad]!r} at position {bad} is outside the vocabulary [0, {drafter.vocab_size})")
         if not (isinstance(limit, int) and limit >= 0):
             raise ValueError(f"row {i}: max_tokens must be a non-negative integer, got {limit!r}")
+        if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
+            raise ValueError(f"row {i}: min_confidence must be a probability in [0, 1], got {threshold!r}")
 
 
-def _draft_rows(drafter: Drafter, rows: list[list[int]], budgets: list[int], stop_ids: Sequence[int], want_logprobs: bool) -> list[Draft]:
+def _draft_rows(
+    drafter: Drafter, rows: list[list[int]], budgets: list[int], thresholds: list[float], stop_ids: Sequence[int], want_logprobs: bool
+) -> list[Draft]:
     cache = drafter.cache
     slots, reused = cache.assign(rows)
     cache.clear_garbage(slots, min(max(len(row) + budget for row, budget in zip(rows, budgets)), cache.max_len))
     first_logits = _prefill(drafter.model, cache, rows, slots, reused)
-    tokens, counts, logprobs = _decode(drafter.model, cache, first_logits, rows, slots, budgets, stop_ids, want_logprobs)
+    tokens, counts, logprobs = _decode(drafter.model, cache, first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs)
     tokens, counts = tokens.tolist(), counts.tolist()  # the one device -> host transfer of the call
     logprobs = logprobs.tolist() if want_logprobs else None
     drafts = []
     for b, (row, slot) in enumerate(zip(rows, slots)):
         drafted = tokens[b][: counts[b]]
-        cache.commit(slot, row + drafted[:-1])  # every draft token but the last was fed through the model
+        cache.commit(slot, row, drafted[:-1])  # every draft token but the last was fed through the model
         drafts.append(Draft(drafted, reused[b], logprobs[b][: counts[b]] if logprobs else None))
     return drafts
 
@@ -922,6 +951,7 @@ def _decode(
     rows: list[list[int]],
     slots: list[int],
     budgets: list[int],
+    thresholds: list[float],
     stop_ids: Sequence[int],
     want_logprobs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -935,6 +965,7 @@ def _decode(
     budget = torch.tensor(budgets, device=device)
     slot_ids = torch.tensor(slots, device=device)
     stop = torch.tensor(list(stop_ids), device=device, dtype=torch.long)
+    min_confidence = torch.tensor(thresholds, device=device) if any(thresholds) else None
     tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=device)
     logprobs = torch.zeros(len(rows), steps, device=device) if want_logprobs else None
     counts = torch.zeros(len(rows), dtype=torch.long, device=device)
@@ -947,6 +978,8 @@ def _decode(
             logprobs[:, step] = logits.log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
         counts += alive
         alive = alive & ~torch.isin(token, stop) & (budget > step + 1)
+        if min_confidence is not None:
+            alive = alive & (logits.softmax(dim=-1).amax(dim=-1) >= min_confidence)
         if step + 1 == steps or not alive.any():
             break
         # Feed each live row's new token at the next position; finished rows write to scratch.

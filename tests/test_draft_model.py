@@ -111,6 +111,7 @@ def test_prefix_cache_reuse_is_exact_and_counted(qwen3):
     follow_up = prompt + first[:5] + [17]
     warm = draft_model.draft_batch(drafter, [follow_up], max_tokens=16)[0]
     assert warm.cached_tokens == len(prompt) + 5
+    assert sum(1 for held in drafter.cache.tokens if held) == 1, "the follow-up continues in its slot, no copy"
     cold = draft_model.draft_batch(draft_model.load_model(directory, cache_slots=8), [follow_up], max_tokens=16)[0]
     assert warm == cold == reference_greedy(hf_model, follow_up, 16)
     assert cold.cached_tokens == 0
@@ -411,3 +412,17 @@ def test_act_order_layers_fall_back_to_dense(tmp_path, caplog):
     assert "act-order g_idx reorders groups" in caplog.text
     with pytest.raises(draft_model.ModelLoadError, match="needs bfloat16 activations"):
         draft_model.load_model(tmp_path, dtype="float32", weights="packed")
+
+
+def test_min_confidence_stops_a_row_after_its_first_unsure_token(qwen3):
+    hf_model, directory = qwen3
+    drafter = draft_model.load_model(directory, cache_slots=4)
+    row = random_rows([25], seed=20)[0]
+    full = draft_model.draft_batch(drafter, [row], max_tokens=16, return_logprobs=True)[0]
+    probabilities = torch.tensor(full.logprobs).exp()
+    threshold = float(probabilities[3:].min()) + 1e-6  # below it somewhere after the third token
+    first_unsure = int((probabilities < threshold).nonzero()[0])
+    adaptive, fixed = draft_model.draft_batch(drafter, [row, row], max_tokens=16, min_confidence=[threshold, 0.0])
+    assert adaptive == full[: first_unsure + 1] and fixed == full
+    with pytest.raises(ValueError, match="min_confidence must be a probability"):
+        draft_model.draft_batch(drafter, [row], min_confidence=1.5)
