@@ -191,6 +191,22 @@ def gptq_dequantize(
     return weight.t().contiguous()
 
 
+def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, torch.Tensor]:
+    """Round-to-nearest 4-bit GPTQ tensors of a weight [N, K]: per group of `group_size` inputs, the
+    grid spans [min(w, 0), max(w, 0)] (symmetric: +-max|w| around zero 8). GPTQ's baseline."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (N, K/G, G)
+    low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)  # (N, K/G)
+    if sym:
+        high = torch.maximum(high, -low)
+        low = -high
+    # The stored fp16 scale is what dequantizes; the floor keeps an all-zero group's scale a normal fp16.
+    scales = ((high - low) / 15).clamp(min=2**-14).half().float()
+    zeros = torch.full_like(scales, 8) if sym else torch.round(-low / scales).clamp(0, 15)
+    ints = torch.clamp(torch.round(groups / scales[..., None]) + zeros[..., None], 0, 15).reshape(out_features, in_features)
+    return gptq_pack(ints.long(), zeros.long().t(), scales.t(), torch.arange(in_features) // group_size)
+
+
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts
 INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x slower on these CPUs
 
@@ -336,7 +352,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, token_ids: torch.Tensor, cache: "KVCache", at: ForwardInputs) -> torch.Tensor:
@@ -548,15 +564,28 @@ def _load_state(
     return state, dense_reasons
 
 
-def _skeleton(cfg: ModelConfig, quant: QuantConfig | None, int4_layers: list[str]) -> Transformer:
-    """The model on the meta device, with Int4Linear where packed weights will be loaded."""
+def _quantize_lm_head(state: dict[str, torch.Tensor], cfg: ModelConfig) -> int:
+    """Swap the lm_head weight in `state` for round-to-nearest INT4 kernel buffers; the group size used.
+
+    With a tied embedding the lookup keeps the dense table: only the vocab x hidden matmul, the
+    largest one of a decode step for a small drafter, reads 4-bit weights."""
+    group_size = next((g for g in (128, 64, 32) if cfg.hidden_size % g == 0), None)
+    if group_size is None or cfg.vocab_size % 16:
+        raise ModelLoadError(f"an INT4 lm_head needs hidden size % 32 == 0 and vocab size % 16 == 0, got {cfg.hidden_size} and {cfg.vocab_size}")
+    gptq = rtn_quantize(state.pop("lm_head.weight"), group_size, sym=False)
+    state.update({f"lm_head.{k}": v for k, v in Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq").items()})
+    return group_size
+
+
+def _skeleton(cfg: ModelConfig, int4_layers: dict[str, int]) -> Transformer:
+    """The model on the meta device, with Int4Linear (of the given group size) where packed weights go."""
     with torch.device("meta"):
         model = Transformer(cfg)
-        for name in int4_layers:
+        for name, group_size in int4_layers.items():
             dense = model.get_submodule(name)
             parent_name, _, attr = name.rpartition(".")
-            int4 = Int4Linear(dense.in_features, dense.out_features, quant.group_size, bias=dense.bias is not None)
-            setattr(model.get_submodule(parent_name), attr, int4)
+            int4 = Int4Linear(dense.in_features, dense.out_features, group_size, bias=dense.bias is not None)
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, int4)
     return model
 
 
@@ -631,6 +660,7 @@ def load_model(
     max_context: int | None = None,
     merge_lora: bool = True,
     weights: str = "auto",
+    quantize_lm_head: bool = False,
 ) -> "Drafter":
     """Load a model package or a Hugging Face checkpoint directory, strictly (see DESIGN section 5).
 
@@ -639,7 +669,8 @@ def load_model(
     "auto" packs whenever the kernel can run. dtype: bf16 when packed or on cuda, else fp32.
     cache_slots: prefix-cache slots (a batch uses at most half of them). max_context: tokens per
     slot, default min(max_position_embeddings, 4096). LoRA is merged into dense weights by default
-    and always kept as side matmuls beside packed ones.
+    and always kept as side matmuls beside packed ones. quantize_lm_head: on the packed path, also
+    round the lm_head to INT4 at load (faster decode steps; measure its effect on tau).
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -663,8 +694,12 @@ def load_model(
     tensors, origin = _read_safetensors(files)
     _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
     state, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed)
-    int4_layers = [n for n in _quantized_linears(cfg, quant) if n not in dense_reasons] if quant else []
-    model = _skeleton(cfg, quant, int4_layers)
+    int4_layers = {n: quant.group_size for n in _quantized_linears(cfg, quant) if n not in dense_reasons} if quant else {}
+    if quantize_lm_head:
+        if not packed:
+            raise ModelLoadError("quantize_lm_head needs the packed INT4 path (a GPTQ model on cpu with bf16)")
+        int4_layers["lm_head"] = _quantize_lm_head(state, cfg)
+    model = _skeleton(cfg, int4_layers)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     if packed and dense_reasons:

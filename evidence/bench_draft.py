@@ -4,6 +4,7 @@ For each model shape it writes a random GPTQ package with evidence/make_random_p
 weights time exactly like trained ones), loads it three ways, and times 16-token greedy drafts:
 
   ours packed    draft_model, GPTQ linears kept at 4 bits on PyTorch's CPU INT4 kernel (bf16)
+  ours packed+q-head   the same with the lm_head rounded to INT4 at load (quantize_lm_head)
   ours dequant   draft_model, weights dequantized to fp32 (the exact path)
   hf bf16        transformers generate() on the same dequantized weights (LoRA merged) in bf16,
                  its fastest dtype on these CPUs (--hf-dtypes adds float32)
@@ -120,6 +121,7 @@ def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
     slots = 2 * max(args.batch_sizes)
     ours = {
         "ours packed": draft_model.load_model(package, cache_slots=slots, max_context=max_context),
+        "ours packed+q-head": draft_model.load_model(package, cache_slots=slots, max_context=max_context, quantize_lm_head=True),
         "ours dequant": draft_model.load_model(package, cache_slots=slots, max_context=max_context, weights="dequant"),
     }
     dense = ours["ours dequant"]

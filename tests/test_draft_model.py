@@ -426,3 +426,26 @@ def test_min_confidence_stops_a_row_after_its_first_unsure_token(qwen3):
     assert adaptive == full[: first_unsure + 1] and fixed == full
     with pytest.raises(ValueError, match="min_confidence must be a probability"):
         draft_model.draft_batch(drafter, [row], min_confidence=1.5)
+
+
+def test_rtn_quantize_stays_within_half_a_step_of_the_weights():
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(21))
+    for sym in (True, False):
+        gptq = draft_model.rtn_quantize(weight, group_size=32, sym=sym)
+        step = gptq["scales"].float().t().repeat_interleave(32, dim=1)  # (N, K): each weight's grid step
+        assert ((draft_model.gptq_dequantize(**gptq) - weight).abs() <= 0.51 * step).all()  # fp16 scales: a hair over 1/2
+
+
+def test_int4_lm_head_keeps_the_embedding_and_drafts(gptq_package):
+    _, directory = gptq_package
+    plain = draft_model.load_model(directory, cache_slots=2)
+    quantized = draft_model.load_model(directory, cache_slots=2, quantize_lm_head=True)
+    assert isinstance(quantized.model.lm_head, draft_model.Int4Linear)
+    assert torch.equal(quantized.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+    hidden = torch.randn(5, plain.cfg.hidden_size, generator=torch.Generator().manual_seed(22))
+    rounded = draft_model.gptq_dequantize(**draft_model.rtn_quantize(plain.model.lm_head.weight, 64, sym=False))
+    expected = hidden @ rounded.t()
+    error = (quantized.model.lm_head(hidden.bfloat16()).float() - expected).abs().max() / expected.abs().max()
+    assert error < 2e-2
+    with pytest.raises(draft_model.ModelLoadError, match="quantize_lm_head needs the packed INT4 path"):
+        draft_model.load_model(directory, weights="dequant", quantize_lm_head=True)
