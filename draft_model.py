@@ -63,6 +63,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict, generation_config: dict | None = None) -> "ModelConfig":
         """Read a Hugging Face config.json dict; refuse features this forward does not implement."""
+        _require(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"), "config.json")
         architecture = hf.get("model_type")
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(f"config.json: model_type {architecture!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
@@ -95,6 +96,12 @@ class ModelConfig:
             o_bias=architecture != "qwen2" and attention_bias,
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),  # union, order kept, no repeats
         )
+
+
+def _require(raw: dict, keys: tuple[str, ...], source) -> None:
+    missing = [key for key in keys if key not in raw]
+    if missing:
+        raise ModelLoadError(f"{source}: missing field {missing[0]!r} (required: {', '.join(keys)})")
 
 
 def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
@@ -180,12 +187,17 @@ def gptq_pack(int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
     }
 
 
+def gptq_integers(qweight: torch.Tensor, qzeros: torch.Tensor, checkpoint_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit weights q (K, N) and the real zero points (K/G, N) of GPTQ tensors."""
+    zeros = (unpack_int4(qzeros, dim=1) + ZERO_OFFSET[checkpoint_format]) & 0xF
+    return unpack_int4(qweight, dim=0), zeros
+
+
 def gptq_dequantize(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, checkpoint_format: str = "gptq"
 ) -> torch.Tensor:
     """The fp32 weight [N, K] (nn.Linear layout) that a GPTQ checkpoint means."""
-    q = unpack_int4(qweight, dim=0)  # (K, N)
-    zeros = (unpack_int4(qzeros, dim=1) + ZERO_OFFSET[checkpoint_format]) & 0xF  # (K/G, N)
+    q, zeros = gptq_integers(qweight, qzeros, checkpoint_format)
     groups = g_idx.to(torch.int64)
     weight = scales.float()[groups] * (q - zeros[groups]).float()  # (K, N)
     return weight.t().contiguous()
@@ -228,11 +240,10 @@ class Int4Linear(nn.Module):
     @staticmethod
     def pack_gptq(qweight, qzeros, scales, g_idx, checkpoint_format: str) -> dict[str, torch.Tensor]:
         """GPTQ tensors -> this module's buffers (CPU)."""
-        q = unpack_int4(qweight, dim=0).t().to(torch.int32).contiguous()  # (N, K)
-        zeros = (unpack_int4(qzeros, dim=1) + ZERO_OFFSET[checkpoint_format]) & 0xF  # (K/G, N)
+        q, zeros = gptq_integers(qweight, qzeros, checkpoint_format)
         scales = scales.float()
         return {
-            "packed_weight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2),
+            "packed_weight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().to(torch.int32).contiguous(), 2),
             "scales_and_offsets": torch.stack([scales, scales * (8 - zeros)], dim=2).to(INT4_KERNEL_DTYPE),
         }
 
@@ -378,7 +389,7 @@ PACKAGE_QUANT_CONFIG = "quant_config.json"
 PACKAGE_LORA_WEIGHTS = "lora.safetensors"
 PACKAGE_LORA_CONFIG = "lora_config.json"
 PACKAGE_MODEL_CARD = "model_card.json"
-QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 PEFT_PREFIX = "base_model.model.model."
 
 
@@ -448,6 +459,7 @@ class LoRAConfig:
                 raise ModelLoadError(f"{source}: {field}={value!r} is not supported by this loader")
         if raw.get("bias", "none") != "none":
             raise ModelLoadError(f"{source}: bias={raw['bias']!r} is not supported; expected 'none'")
+        _require(raw, ("r", "lora_alpha", "target_modules"), source)
         rank, alpha = raw["r"], raw["lora_alpha"]
         scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
         return cls(rank=rank, scale=scale, target_modules=raw["target_modules"])
@@ -461,11 +473,7 @@ class LoRAConfig:
 
 def _linear_names(cfg: ModelConfig) -> list[str]:
     """Every projection inside the decoder layers, by its in-model name (layers.0.self_attn.q_proj)."""
-    names = []
-    for i in range(cfg.num_layers):
-        names += [f"layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        names += [f"layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    return names
+    return [f"layers.{i}.{part}.{p}" for i in range(cfg.num_layers) for part, names in PROJECTIONS.items() for p in names]
 
 
 def _hf_name(name: str) -> str:
