@@ -591,10 +591,13 @@ def _skeleton(cfg: ModelConfig, int4_layers: dict[str, int]) -> Transformer:
         model = Transformer(cfg)
         for name, group_size in int4_layers.items():
             dense = model.get_submodule(name)
-            parent_name, _, attr = name.rpartition(".")
-            int4 = Int4Linear(dense.in_features, dense.out_features, group_size, bias=dense.bias is not None)
-            setattr(model.get_submodule(parent_name) if parent_name else model, attr, int4)
+            _replace_module(model, name, Int4Linear(dense.in_features, dense.out_features, group_size, bias=dense.bias is not None))
     return model
+
+
+def _replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attr, module)
 
 
 def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: bool) -> LoRAConfig:
@@ -611,7 +614,6 @@ def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: b
     tensors, origin = _read_safetensors([weights_path])
     _check_tensors(tensors, origin, expected, str(weights_path))
     for name in targets:
-        parent_name, _, attr = name.rpartition(".")
         wrapped = LoRALinear(
             model.get_submodule(name),
             tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"].to(dtype),
@@ -619,7 +621,7 @@ def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: b
             lora.scale,
         )
         keep_unmerged = not merge or isinstance(wrapped.base, Int4Linear)  # packed bits cannot absorb B @ A
-        setattr(model.get_submodule(parent_name), attr, wrapped if keep_unmerged else wrapped.merge())
+        _replace_module(model, name, wrapped if keep_unmerged else wrapped.merge())
     return lora
 
 
