@@ -427,13 +427,6 @@ class QuantConfig:
             modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
         )
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The dense weights under Hugging Face names (LoRA merged): load them into the matching
-        transformers model to train or compare on exactly what this drafter computes with."""
-        if any(isinstance(m, (Int4Linear, LoRALinear)) for m in self.model.modules()):
-            raise ValueError("hf_state_dict needs dense, merged weights: load with weights='dequant' and merge_lora=True")
-        return {_hf_name(name): tensor for name, tensor in self.model.state_dict().items()}
-
     def describe(self) -> dict:
         return {"method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act}
 

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,28 +1,12 @@
 """The offline tau estimator (evidence/tau.py) against a real greedy draft-and-verify loop."""
 
-import copy
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from evidence.gen_data import generate_transformers
 from evidence.tau import committed_per_step, offline_tau, tau_from_matches
+from pipeline_fixtures import perturbed_copy
 from tiny_models import make_hf_model
-
-
-def perturbed_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
-    """A student that agrees with the teacher often but not always."""
-    student = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in student.parameters():
-            parameter += noise * parameter.std() * torch.randn(parameter.shape, generator=generator)
-    return student
 
 
 @torch.no_grad()
