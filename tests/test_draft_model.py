@@ -449,3 +449,14 @@ def test_int4_lm_head_keeps_the_embedding_and_drafts(gptq_package):
     assert error < 2e-2
     with pytest.raises(draft_model.ModelLoadError, match="quantize_lm_head needs the packed INT4 path"):
         draft_model.load_model(directory, weights="dequant", quantize_lm_head=True)
+
+
+def test_sharded_checkpoint_and_generation_config_eos(tmp_path):
+    hf_model = make_hf_model("llama", tie_word_embeddings=False)
+    hf_model.generation_config.eos_token_id = [2, 7]
+    hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    drafter = draft_model.load_model(tmp_path, cache_slots=2)
+    assert drafter.eos_token_ids == (2, 7)
+    row = random_rows([12], seed=23)[0]
+    assert draft_model.draft_batch(drafter, [row], max_tokens=10)[0] == reference_greedy(hf_model, row, 10)
