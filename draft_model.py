@@ -378,7 +378,8 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """In the model's dtype: argmax needs no fp32 copy of a 150k-wide row; probabilities take one."""
+        return self.lm_head(hidden)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -737,7 +738,9 @@ class KVCache:
         self.values = torch.empty(shape, device=device, dtype=dtype)
         self.num_slots, self.max_len, self.scratch = num_slots, max_len, num_slots
         self.zeroed = [0] * num_slots  # positions 0..zeroed-1 of a slot hold numbers, not uninitialised memory
-        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV each slot holds
+        # The tokens whose KV each slot holds, on the CPU, -1 past a slot's length (no id matches it).
+        self.tokens = torch.full((num_slots, max_len), -1, dtype=torch.long)
+        self.lengths = [0] * num_slots
         self.prompt_len = [0] * num_slots  # how many of them a request sent; the rest are the slot's own drafts
         self.last_used = [0] * num_slots
         self.clock = 0
@@ -757,7 +760,10 @@ class KVCache:
 
     def longest_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """(slot, length) of the longest common prefix between `tokens` and any slot; newest slot on ties."""
-        length, _, slot = max((_common_prefix_len(held, tokens), self.last_used[s], s) for s, held in enumerate(self.tokens))
+        n = min(len(tokens), self.max_len)
+        differs = self.tokens[:, :n] != torch.tensor(tokens[:n])  # (slots, n)
+        matched = torch.where(differs.any(dim=1), differs.int().argmax(dim=1), n).tolist()  # first mismatch per slot
+        length, _, slot = max(zip(matched, self.last_used, range(self.num_slots)))
         return slot, length
 
     def assign(self, batch: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -787,7 +793,7 @@ class KVCache:
                     self.copy_prefix(slot, targets[i], reuse[i])
         for row, slot, r in zip(batch, targets, reuse):
             # Until the forward finishes, only the reused prefix of a target slot is known to be valid.
-            self.tokens[slot], self.prompt_len[slot] = row[:r], r
+            self.hold(slot, row[:r], prompt_len=r)
         return targets, reuse
 
     def clear_garbage(self, slots: list[int], length: int) -> None:
@@ -807,16 +813,15 @@ class KVCache:
 
     def commit(self, slot: int, prompt: list[int], fed_drafts: list[int]) -> None:
         """Record that `slot` now holds the KV of exactly `prompt` followed by `fed_drafts`."""
+        self.hold(slot, prompt + fed_drafts, prompt_len=len(prompt))
         self.clock += 1
-        self.tokens[slot], self.prompt_len[slot], self.last_used[slot] = prompt + fed_drafts, len(prompt), self.clock
+        self.last_used[slot] = self.clock
 
+    def hold(self, slot: int, tokens: list[int], prompt_len: int) -> None:
+        self.tokens[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.tokens[slot, len(tokens) : self.lengths[slot]] = -1
+        self.lengths[slot], self.prompt_len[slot] = len(tokens), prompt_len
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    mismatch = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
-    return int(mismatch[0]) if len(mismatch) else n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1013,11 +1018,11 @@ def _decode(
         token = logits.argmax(dim=-1)  # (B,)
         tokens[:, step] = token
         if want_logprobs:
-            logprobs[:, step] = logits.log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
+            logprobs[:, step] = logits.float().log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
         counts += alive
         alive = alive & ~torch.isin(token, stop) & (budget > step + 1)
         if min_confidence is not None:
-            alive = alive & (logits.softmax(dim=-1).amax(dim=-1) >= min_confidence)
+            alive = alive & (logits.float().softmax(dim=-1).amax(dim=-1) >= min_confidence)
         if step + 1 == steps or not alive.any():
             break
         # Feed each live row's new token at the next position; finished rows write to scratch.

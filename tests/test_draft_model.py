@@ -111,7 +111,7 @@ def test_prefix_cache_reuse_is_exact_and_counted(qwen3):
     follow_up = prompt + first[:5] + [17]
     warm = draft_model.draft_batch(drafter, [follow_up], max_tokens=16)[0]
     assert warm.cached_tokens == len(prompt) + 5
-    assert sum(1 for held in drafter.cache.tokens if held) == 1, "the follow-up continues in its slot, no copy"
+    assert sum(1 for n in drafter.cache.lengths if n) == 1, "the follow-up continues in its slot, no copy"
     cold = draft_model.draft_batch(draft_model.load_model(directory, cache_slots=8), [follow_up], max_tokens=16)[0]
     assert warm == cold == reference_greedy(hf_model, follow_up, 16)
     assert cold.cached_tokens == 0

@@ -6,6 +6,7 @@ sequence at a time, so a test fails if batching, queueing or prefix reuse ever c
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 
 import draft_model
 import server
+from evidence import make_random_package
 
 API_KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -49,17 +51,8 @@ def start_server(repo_root: Path, model_dir: Path, log_path: Path, *flags: str) 
     """Start server.py and wait until /health answers; fail with its log if it never does."""
     port = free_port()
     # One thread: the suite shares 2 cores with other test processes, and oversubscribed torch threads crawl.
-    command = [
-        sys.executable,
-        str(repo_root / "server.py"),
-        "--model-dir",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--threads",
-        "1",
-        *flags,
-    ]
+    command = [sys.executable, str(repo_root / "server.py"), "--model-dir", str(model_dir), "--port", str(port)]
+    command += ["--threads", "1", *flags]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=repo_root)
     running = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
@@ -498,6 +491,11 @@ def test_cancelled_requests_are_skipped_and_stop_drains_the_queue(tiny_checkpoin
         (["--max-batch-size", "0"], "must be >= 1"),
         (["--port", "70000"], "must be in 0..65535"),
         (["--api-key-file", "/nonexistent/key"], "--api-key-file"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA"),
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(repo_root: Path, tiny_checkpoint: Path, flags: list[str], message: str):
@@ -521,6 +519,50 @@ def test_model_dir_without_config_is_refused(repo_root: Path, tmp_path: Path):
         timeout=120,
     )
     assert result.returncode == 2 and "no config.json" in result.stderr
+
+
+def test_serve_sh_maps_environment_to_flags(repo_root: Path, tiny_checkpoint: Path, api_key_file: Path, tmp_path: Path):
+    """serve.sh as operators run it; only where .venv is this interpreter's (./run_tests.sh), so it installs nothing."""
+    if Path(sys.prefix).resolve() != (repo_root / ".venv").resolve():
+        pytest.skip("serve.sh runs the repository's .venv; run the suite with ./run_tests.sh to test it")
+    port = free_port()
+    env = {
+        **os.environ,
+        "MODEL_DIR": str(tiny_checkpoint),
+        "PORT": str(port),
+        "MAX_BATCH_SIZE": "4",
+        "MAX_QUEUE": "7",
+        "MAX_DRAFT_TOKENS": "8",
+        "MAX_CONTEXT": "300",
+        "THREADS": "1",
+        "API_KEY_FILE": str(api_key_file),
+    }
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([str(repo_root / "serve.sh")], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                health = httpx.get(url + "/health", timeout=1).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            pytest.fail(f"serve.sh never served /health:\n{log_path.read_text()}")
+        limits = health["limits"]
+        assert [limits[name] for name in ("max_batch_size", "max_queue", "max_draft_tokens", "max_context")] == [
+            4,
+            7,
+            8,
+            300,
+        ]
+        assert health["auth_required"] is True
+        assert httpx.post(url + "/draft", json={"token_ids": [1]}, timeout=30).status_code == 401
+    finally:
+        process.send_signal(signal.SIGTERM)  # serve.sh execs the server, so this reaches it directly
+        assert process.wait(timeout=30) == 0, log_path.read_text()
 
 
 def test_unloadable_model_fails_startup_with_the_reason(repo_root: Path, tmp_path: Path):
@@ -555,11 +597,6 @@ def test_shipped_model_package_serves_and_says_it_is_random(repo_root: Path, tmp
 
 
 def test_make_random_package_reproduces_the_shipped_model(repo_root: Path, tmp_path: Path):
-    sys.path.insert(0, str(repo_root / "evidence"))
-    try:
-        import make_random_package
-    finally:
-        sys.path.remove(str(repo_root / "evidence"))
     make_random_package.main(["--output", str(tmp_path / "package")])
     for name in ("model_int4.safetensors", "lora.safetensors"):
         rebuilt, shipped = load_file(tmp_path / "package" / name), load_file(repo_root / "model" / name)

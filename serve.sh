@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Start the draft server: the one way operators run it. First run creates .venv and installs what serving
+# needs (scripts/ensure_venv.sh); later runs reuse it. Works offline: the Hugging Face hub is never contacted.
+#
+#   ./serve.sh                                  # model/ on 127.0.0.1:8000
+#   PORT=9000 MAX_BATCH_SIZE=32 ./serve.sh       # settings come from environment variables
+#   ./serve.sh --log-level debug                # extra arguments go to server.py as they are
+#
+# Environment -> server.py flag (unset or empty: the server's default; see `python server.py --help`):
+#   MODEL_DIR -> --model-dir (default ./model, relative to the repository)   HOST -> --host   PORT -> --port
+#   MAX_BATCH_SIZE -> --max-batch-size   MAX_WAIT_MS -> --max-wait-ms   MAX_QUEUE -> --max-queue
+#   MAX_DRAFT_TOKENS -> --max-draft-tokens   CACHE_SLOTS -> --cache-slots   MAX_CONTEXT -> --max-context
+#   DEVICE -> --device   DTYPE -> --dtype   WEIGHTS -> --weights   THREADS -> --threads
+#   API_KEY_FILE -> --api-key-file   MAX_BODY_BYTES -> --max-body-bytes   LOG_LEVEL -> --log-level
+#   ACCESS_LOG=1 -> --access-log
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+"$repo/scripts/ensure_venv.sh"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+args=(--model-dir "${MODEL_DIR:-$repo/model}")
+add_flag() {  # add_flag FLAG VALUE: pass FLAG only when VALUE is set
+    if [[ -n "$2" ]]; then args+=("$1" "$2"); fi
+}
+add_flag --host "${HOST:-}"
+add_flag --port "${PORT:-}"
+add_flag --max-batch-size "${MAX_BATCH_SIZE:-}"
+add_flag --max-wait-ms "${MAX_WAIT_MS:-}"
+add_flag --max-queue "${MAX_QUEUE:-}"
+add_flag --max-draft-tokens "${MAX_DRAFT_TOKENS:-}"
+add_flag --cache-slots "${CACHE_SLOTS:-}"
+add_flag --max-context "${MAX_CONTEXT:-}"
+add_flag --device "${DEVICE:-}"
+add_flag --dtype "${DTYPE:-}"
+add_flag --weights "${WEIGHTS:-}"
+add_flag --threads "${THREADS:-}"
+add_flag --api-key-file "${API_KEY_FILE:-}"
+add_flag --max-body-bytes "${MAX_BODY_BYTES:-}"
+add_flag --log-level "${LOG_LEVEL:-}"
+if [[ "${ACCESS_LOG:-0}" == 1 ]]; then args+=(--access-log); fi
+
+exec "$repo/.venv/bin/python" "$repo/server.py" "${args[@]}" "$@"
