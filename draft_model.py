@@ -182,8 +182,8 @@ def gptq_pack(int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
     return {
         "qweight": pack_int4(int_weight.t(), dim=0),
         "qzeros": pack_int4(stored_zeros, dim=1),
-        "scales": scales.to(torch.float16),
-        "g_idx": g_idx.to(torch.int32),
+        "scales": scales.to(torch.float16).contiguous(),
+        "g_idx": g_idx.to(torch.int32).contiguous(),
     }
 
 

@@ -80,18 +80,6 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
     }
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """Symmetric 4-bit round-to-nearest of a [out, in] weight, as GPTQ v1 tensors (via draft_model.gptq_pack)."""
-    out_features, in_features = weight.shape
-    grouped = weight.reshape(out_features, in_features // group_size, group_size)
-    # GPTQ's symmetric grid: zero point 8, scale = 2 * max|w| / 15, so -max..max spans 0..15.
-    scales = (2 * grouped.abs().amax(dim=2) / 15).clamp(min=1e-8)  # [out, groups]
-    levels = torch.clamp(torch.round(grouped / scales[..., None]) + 8, 0, 15).reshape(out_features, in_features)
-    zeros = torch.full((in_features // group_size, out_features), 8, dtype=torch.int64)
-    g_idx = torch.arange(in_features) // group_size
-    return draft_model.gptq_pack(levels.to(torch.int64), zeros, scales.t().contiguous(), g_idx)
-
-
 def random_weights(config: dict, group_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Every tensor of model_int4.safetensors under its Hugging Face name."""
     std = 0.1  # large enough that greedy argmaxes are well separated
@@ -104,7 +92,7 @@ def random_weights(config: dict, group_size: int, generator: torch.Generator) ->
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         for module, (out_features, in_features) in projection_shapes(config).items():
-            for part, tensor in quantize_rtn(normal(out_features, in_features), group_size).items():
+            for part, tensor in draft_model.rtn_quantize(normal(out_features, in_features), group_size, sym=True).items():
                 tensors[f"{prefix}.{module}.{part}"] = tensor
         tensors[f"{prefix}.input_layernorm.weight"] = ones["hidden"].to(torch.bfloat16)
         tensors[f"{prefix}.post_attention_layernorm.weight"] = ones["hidden"].to(torch.bfloat16)
