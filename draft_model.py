@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class ModelConfig:
             raise ModelLoadError("config.json: use_sliding_window=true is not supported; only full attention is implemented")
         if hf.get("mlp_bias"):
             raise ModelLoadError("config.json: mlp_bias=true is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SwiGLU ('silu')")
         attention_bias = bool(hf.get("attention_bias", False))
         eos_ids = _as_id_tuple(hf.get("eos_token_id")) + _as_id_tuple((generation_config or {}).get("eos_token_id"))
         num_heads = hf["num_attention_heads"]
@@ -396,9 +398,14 @@ PEFT_PREFIX = "base_model.model.model."
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        content = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing") from None
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(content, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, found {type(content).__name__}")
+    return content
 
 
 @dataclass(frozen=True)
@@ -416,6 +423,8 @@ class QuantConfig:
             raise ModelLoadError(f"{source}: quant_method {raw.get('quant_method')!r} is not supported; expected 'gptq'")
         if raw.get("bits") != 4:
             raise ModelLoadError(f"{source}: bits {raw.get('bits')!r} is not supported; expected 4")
+        if not (isinstance(raw.get("group_size", 128), int) and raw.get("group_size", 128) > 0):
+            raise ModelLoadError(f"{source}: group_size {raw.get('group_size')!r} is not supported; expected a positive group size such as 128")
         checkpoint_format = raw.get("checkpoint_format", "gptq")
         if checkpoint_format not in ZERO_OFFSET:
             raise ModelLoadError(f"{source}: checkpoint_format {checkpoint_format!r} is not supported; expected one of {list(ZERO_OFFSET)}")
@@ -504,11 +513,16 @@ def _read_safetensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[
     """All tensors of `files` on CPU, and the file each came from; a name in two files is refused."""
     tensors, origin = {}, {}
     for path in files:
-        with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                if name in tensors:
-                    raise ModelLoadError(f"tensor {name!r} appears in both {origin[name].name} and {path.name}")
-                tensors[name], origin[name] = handle.get_tensor(name), path
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing")
+        try:
+            with safe_open(path, framework="pt") as handle:
+                for name in handle.keys():
+                    if name in tensors:
+                        raise ModelLoadError(f"tensor {name!r} appears in both {origin[name].name} and {path.name}")
+                    tensors[name], origin[name] = handle.get_tensor(name), path
+        except SafetensorError as error:
+            raise ModelLoadError(f"{path}: not a readable safetensors file ({error})") from None
     return tensors, origin
 
 
@@ -523,13 +537,20 @@ def _check_tensors(tensors: dict[str, torch.Tensor], origin: dict[str, Path], ex
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise ModelLoadError(f"{origin[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+        packed_ints = name.endswith((".qweight", ".qzeros", ".g_idx"))
+        if (tensors[name].dtype == torch.int32) != packed_ints or not (packed_ints or tensors[name].is_floating_point()):
+            wanted = "int32" if packed_ints else "a floating-point dtype"
+            raise ModelLoadError(f"{origin[name]}: tensor {name!r} has dtype {tensors[name].dtype}, expected {wanted}")
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a Hugging Face checkpoint directory (single file or sharded with an index)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no 'weight_map' object naming each tensor's shard")
+        shards = sorted(set(weight_map.values()))
         files = [model_dir / shard for shard in shards]
         for path in files:
             if not path.exists():
@@ -717,7 +738,9 @@ def load_model(
     card_path = model_dir / PACKAGE_MODEL_CARD
     model_card = _read_json(card_path) if card_path.exists() else {}
     model = model.to(device).eval().requires_grad_(False)
-    context = max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
+    if not 1 <= context <= cfg.max_position_embeddings:
+        raise ModelLoadError(f"max_context {context} must lie in 1..{cfg.max_position_embeddings} (the model's max_position_embeddings)")
     return Drafter(model, cfg, KVCache(cfg, cache_slots, context, device, dtype), quant, lora, model_card, str(model_dir))
 
 
@@ -751,7 +774,8 @@ class KVCache:
         self.values[layer][slots, :, positions] = v
 
     def read(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, H_kv, kv_len, D) keys and values of `slots`; a view when the slots are consecutive."""
+        """(B, H_kv, kv_len, D) keys and values of `slots`: a view when the slots are consecutive (always
+        at batch size 1), else a gathered copy, which costs a pass over the batch's KV per layer and step."""
         keys, values = self.keys[layer, :, :, :kv_len], self.values[layer, :, :, :kv_len]
         if slots == list(range(slots[0], slots[0] + len(slots))):
             return keys[slots[0] : slots[0] + len(slots)], values[slots[0] : slots[0] + len(slots)]
@@ -823,7 +847,6 @@ class KVCache:
         self.lengths[slot], self.prompt_len[slot] = len(tokens), prompt_len
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The drafter and greedy drafting
 
@@ -837,6 +860,7 @@ class Drafter:
         self.model, self.cfg, self.cache = model, cfg, cache
         self.quant, self.lora, self.model_card, self.source = quant, lora, model_card, source
         self.lock = threading.Lock()  # the cache pool is shared state: one draft_batch at a time
+        self.weights = "packed" if any(isinstance(m, Int4Linear) for m in model.modules()) else "dense"
 
     vocab_size = property(lambda self: self.cfg.vocab_size)
     max_context = property(lambda self: self.cache.max_len)
@@ -847,7 +871,6 @@ class Drafter:
     lora_rank = property(lambda self: self.lora.rank if self.lora else None)
     device = property(lambda self: self.model.embed_tokens.weight.device)
     dtype = property(lambda self: self.model.embed_tokens.weight.dtype)
-    weights = property(lambda self: "packed" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "dense")
 
     def weight_bytes(self) -> int:
         """Resident bytes of the model's parameters and buffers (a tied embedding counted once)."""
@@ -934,9 +957,12 @@ def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int], thr
             raise ValueError(f"row {i}: empty token sequence; send at least one token id")
         if len(row) > drafter.max_context:
             raise ValueError(f"row {i}: {len(row)} tokens exceed the context limit of {drafter.max_context}")
-        bad = next((j for j, t in enumerate(row) if not (isinstance(t, int) and 0 <= t < drafter.vocab_size)), None)
+        not_int = next((j for j, t in enumerate(row) if type(t) is not int), None)  # bool is an int subclass, not a token
+        if not_int is not None:
+            raise ValueError(f"row {i}: token id {row[not_int]!r} at position {not_int} is not an int")
+        bad = next((j for j, t in enumerate(row) if not 0 <= t < drafter.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"row {i}: token id {row[bad]!r} at position {bad} is outside the vocabulary [0, {drafter.vocab_size})")
+            raise ValueError(f"row {i}: token id {row[bad]} at position {bad} is outside the vocabulary 0..{drafter.vocab_size - 1}")
         if not (isinstance(limit, int) and limit >= 0):
             raise ValueError(f"row {i}: max_tokens must be a non-negative integer, got {limit!r}")
         if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
@@ -948,7 +974,8 @@ def _draft_rows(
 ) -> list[Draft]:
     cache = drafter.cache
     slots, reused = cache.assign(rows)
-    cache.clear_garbage(slots, min(max(len(row) + budget for row, budget in zip(rows, budgets)), cache.max_len))
+    # Decode reads every row's slot up to the longest row plus the largest budget, whichever rows those are.
+    cache.clear_garbage(slots, min(max(map(len, rows)) + max(budgets), cache.max_len))
     first_logits = _prefill(drafter.model, cache, rows, slots, reused)
     tokens, counts, logprobs = _decode(drafter.model, cache, first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs)
     tokens, counts = tokens.tolist(), counts.tolist()  # the one device -> host transfer of the call

@@ -76,7 +76,10 @@ def test_config_reads_legacy_top_level_rope_theta():
     assert draft_model.ModelConfig.from_hf(legacy).rope_theta == 1e6
 
 
-@pytest.mark.parametrize("field,value", [("model_type", "mistral"), ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}), ("use_sliding_window", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("model_type", "mistral"), ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}), ("use_sliding_window", True), ("hidden_act", "gelu")],
+)
 def test_unsupported_config_is_refused(field, value):
     config = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     config[field] = value
@@ -153,7 +156,42 @@ def test_stop_tokens_and_context_limit(qwen3):
     assert len(draft_model.draft_batch(drafter, [near_limit], max_tokens=12)[0]) == 4
     assert draft_model.draft_batch(drafter, [random_rows([40], seed=8)[0]], max_tokens=12)[0] == []
     mixed = draft_model.draft_batch(drafter, [row, row[:5]], max_tokens=[3, 7])
-    assert [len(d) for d in mixed] == [3, 7]
+    assert mixed == [full[:3], reference_greedy(hf_model, row[:5], 7)]
+
+
+def test_never_written_cache_memory_cannot_leak_into_drafts(qwen3):
+    """Uninitialised memory (recycled on CUDA) may hold NaN; a masked key still multiplies its value by 0."""
+    hf_model, directory = qwen3
+    drafter = draft_model.load_model(directory, cache_slots=4)
+    drafter.cache.keys.fill_(float("nan"))
+    drafter.cache.values.fill_(float("nan"))
+    long, short = random_rows([100, 10], seed=24)
+    drafts = draft_model.draft_batch(drafter, [long, short], max_tokens=[1, 16], return_logprobs=True)
+    assert drafts[1] == reference_greedy(hf_model, short, 16)
+    assert all(torch.isfinite(torch.tensor(d.logprobs)).all() for d in drafts)
+
+
+def test_shared_prefixes_duplicates_and_eviction_stay_exact(qwen3):
+    """Harness-style conversations sharing a prefix, duplicate rows in one batch, prefixes of a
+    conversation and mixed budgets, through a pool too small to keep them all."""
+    hf_model, directory = qwen3
+    drafter = draft_model.load_model(directory, cache_slots=4)
+    shared = random_rows([10], seed=25)[0]
+    conversations = [shared + tail for tail in random_rows([5, 8, 12], seed=26)] + random_rows([20], seed=27)
+    generator = torch.Generator().manual_seed(28)
+    expected = {}
+    for turn in range(30):
+        picks = torch.randint(0, len(conversations), (2,), generator=generator).tolist()
+        batch = [conversations[i] for i in picks]
+        if turn % 5 == 4:
+            batch[1] = batch[1][: len(batch[1]) // 2]  # a prefix of a conversation
+        budgets = [[0, 1, 4, 16][int(b)] for b in torch.randint(0, 4, (2,), generator=generator)]
+        for row, budget, draft in zip(batch, budgets, draft_model.draft_batch(drafter, batch, max_tokens=budgets)):
+            key = tuple(row)
+            expected.setdefault(key, reference_greedy(hf_model, row, 16))
+            assert draft == expected[key][:budget], f"turn {turn}: a row of {len(row)} tokens drafted differently"
+        for i, draft in zip(picks, draft_model.draft_batch(drafter, [conversations[i] for i in picks], max_tokens=8)):
+            conversations[i] = conversations[i] + draft[:3] + [11]
 
 
 def test_logprobs_match_reference_log_softmax(qwen3):
@@ -167,7 +205,16 @@ def test_logprobs_match_reference_log_softmax(qwen3):
         assert torch.allclose(torch.tensor(draft.logprobs), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("row,message", [([], "empty"), ([5, 256], "token id 256 at position 1"), ([5, -1], "token id -1"), (list(range(3, 3 + 41)), "41 tokens exceed the context limit of 40")])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ([], "empty"),
+        ([5, 256], "token id 256 at position 1 is outside the vocabulary 0..255"),
+        ([5, -1], "token id -1"),
+        ([5, True], "token id True at position 1 is not an int"),
+        (list(range(3, 3 + 41)), "41 tokens exceed the context limit of 40"),
+    ],
+)
 def test_bad_rows_are_refused(qwen3, row, message):
     drafter = draft_model.load_model(qwen3[1], cache_slots=2, max_context=40)
     with pytest.raises(ValueError, match=message):
@@ -460,3 +507,33 @@ def test_sharded_checkpoint_and_generation_config_eos(tmp_path):
     assert drafter.eos_token_ids == (2, 7)
     row = random_rows([12], seed=23)[0]
     assert draft_model.draft_batch(drafter, [row], max_tokens=10)[0] == reference_greedy(hf_model, row, 10)
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("group_size", "group_size -1 is not supported"),
+        ("lora_without_weights", "lora.safetensors: missing"),
+        ("corrupt_weights", "not a readable safetensors file"),
+        ("int_norm", "'model.norm.weight' has dtype torch.int64, expected a floating-point dtype"),
+    ],
+)
+def test_broken_packages_are_refused_with_a_load_error(gptq_package, damage, message):
+    _, directory = gptq_package
+    if damage == "group_size":
+        (directory / "quant_config.json").write_text(json.dumps({"quant_method": "gptq", "bits": 4, "group_size": -1}))
+    elif damage == "lora_without_weights":
+        (directory / "lora_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    elif damage == "corrupt_weights":
+        (directory / "model_int4.safetensors").write_bytes(b"not safetensors")
+    else:
+        tensors = load_file(directory / "model_int4.safetensors")
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].long()
+        save_file(tensors, directory / "model_int4.safetensors")
+    with pytest.raises(draft_model.ModelLoadError, match=message):
+        draft_model.load_model(directory)
+
+
+def test_max_context_must_fit_the_model(qwen3):
+    with pytest.raises(draft_model.ModelLoadError, match="max_context 600 must lie in 1..512"):
+        draft_model.load_model(qwen3[1], max_context=600)
