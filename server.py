@@ -38,6 +38,7 @@ import draft_model
 log = logging.getLogger("draft_server")
 
 RETRY_AFTER_SECONDS = 1
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up first: counted in /metrics, never sent
 AUTHENTICATED_PATHS = ("/draft",)  # /health, /metrics and /docs stay open: they carry no secrets
 
 
@@ -179,6 +180,21 @@ class Unavailable(Exception):
 
 class DraftFailed(Exception):
     """draft_batch raised for the batch this request was in: a 500."""
+
+
+async def draft_unless_client_leaves(future: asyncio.Future, request: fastapi.Request) -> draft_model.Draft | None:
+    """The draft, or None when the client disconnects first: then its future is cancelled, so a
+    request still queued is skipped by the batcher instead of costing a draft nobody reads."""
+    # The body has been read; the only message left to receive is http.disconnect.
+    client_left = asyncio.ensure_future(request.receive())
+    try:
+        done, _ = await asyncio.wait({future, client_left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        client_left.cancel()
+    if future in done:
+        return future.result()
+    future.cancel()
+    return None
 
 
 @dataclass
@@ -444,7 +460,7 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
     }
 
     @app.post("/draft", response_model=DraftResponse, responses=error_responses)
-    async def draft(request: DraftRequest) -> DraftResponse:  # type: ignore[valid-type]
+    async def draft(request: DraftRequest, http_request: fastapi.Request) -> DraftResponse | Response:  # type: ignore[valid-type]
         drafter = state["drafter"]
         problem = token_ids_problem(request.token_ids, drafter.vocab_size, drafter.max_context)
         if problem:
@@ -456,9 +472,11 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
                 503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s", {"Retry-After": str(RETRY_AFTER_SECONDS)}
             ) from None
         try:
-            result = await future
+            result = await draft_unless_client_leaves(future, http_request)
         except DraftFailed as failure:
             raise fastapi.HTTPException(500, str(failure)) from None
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return DraftResponse(
             draft_token_ids=list(result),
             cached_tokens=result.cached_tokens,
@@ -468,6 +486,8 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
     @app.get("/health")
     async def health() -> dict:
         drafter, batcher = state["drafter"], state["batcher"]
+        if batcher.task is None or batcher.task.done():  # nothing would ever answer /draft: say so to the balancer
+            raise fastapi.HTTPException(503, "the batcher is not running; restart the server", {"Retry-After": str(RETRY_AFTER_SECONDS)})
         return {
             "status": "ok",
             "model": drafter.describe(),

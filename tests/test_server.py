@@ -348,7 +348,38 @@ def test_disconnecting_clients_do_not_break_their_batch(client: httpx.Client, li
     assert_serves_correct_drafts(client, reference)
 
 
+def test_clients_that_hang_up_while_queued_are_not_drafted(repo_root, tiny_checkpoint, reference, tmp_path):
+    """Behind four one-at-a-time 64-token drafts, a client that gives up after 20 ms is still queued."""
+    running = start_server(repo_root, tiny_checkpoint, tmp_path / "server.log", "--max-batch-size", "1", "--max-wait-ms", "0")
+    try:
+        patient_requests = [(prompt(300, seed=700 + i), 64) for i in range(4)]
+
+        async def send() -> list:
+            async with (
+                httpx.AsyncClient(base_url=running.url, timeout=120) as patient,
+                httpx.AsyncClient(base_url=running.url, timeout=0.02) as impatient,
+            ):
+                kept = [asyncio.create_task(patient.post("/draft", json={"token_ids": t, "max_tokens": n})) for t, n in patient_requests]
+                await asyncio.sleep(0.005)  # the impatient ones queue behind the patient ones
+                dropped = [impatient.post("/draft", json={"token_ids": prompt(50, seed=800 + i)}) for i in range(3)]
+                return await asyncio.gather(*kept, *dropped, return_exceptions=True)
+
+        results = asyncio.run(send())
+        for (tokens, max_tokens), response in zip(patient_requests, results[:4], strict=True):
+            assert response.json()["draft_token_ids"] == reference(tokens, max_tokens)
+        assert all(isinstance(r, httpx.TimeoutException) for r in results[4:])
+        with httpx.Client(base_url=running.url, timeout=30) as client:
+            samples = metric_samples(client.get("/metrics").text)
+        assert samples[("draft_server_requests_total", (("endpoint", "/draft"), ("status", "499")))] == 3
+        assert samples[("draft_server_batch_size_count", ())] == 4, "only the patient requests were drafted"
+    finally:
+        stop_server(running)
+
+
 def test_metrics_count_requests_by_status_and_cached_tokens(client: httpx.Client):
+    tokens = prompt(40, seed=900)
+    client.post("/draft", json={"token_ids": tokens})
+    client.post("/draft", json={"token_ids": tokens + [5, 6, 7]})  # a follow-up: served from the cache
     client.post("/draft", json={"token_ids": []})
     samples = metric_samples(client.get("/metrics").text)
     assert samples[("draft_server_requests_total", (("endpoint", "/draft"), ("status", "200")))] > 0
