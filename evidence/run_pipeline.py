@@ -1,0 +1,396 @@
+"""The whole evidence chain from one config file: prompts -> teacher data -> distillation -> GPTQ INT4
+-> LoRA -> model package, plus the architecture record of what was made and measured.
+
+Stages (each one an evidence script, called with the flags the config gives; its exact command line is
+recorded): prompts (prepare_prompts.py), aya (add_aya.py, when the config has an "aya" section), data
+(gen_data.py), distill (train_drafter.py; under torchrun when train.nproc_per_node > 1), gptq
+(gptq_drafter.py), lora (lora_after_gptq.py), eval_data (gen_data.py on --eval-prompts, a
+measurement-only set such as MT-bench, when given). Then the package is copied to --out, loaded strictly
+with draft_model.load_model, its greedy drafts checked against the Hugging Face model the pipeline
+measured, and with --eval-prompts the offline tau of every stage's model is measured on that set.
+A rerun skips every stage whose command and outputs are unchanged (WORK/pipeline_state.json); gen_data
+itself skips finished shards. --from-stage reruns a stage and everything after it.
+
+Models: a config names hub ids with pinned revisions; a revision that is null is refused unless --lock
+is given (then it is resolved on the hub and written into the config). --teacher/--base/--tokenizer
+point a role at a local directory instead (tests, offline runs).
+
+Writes: WORK/... (every intermediate, logs beside each output), OUT (the model package), and the
+architecture record (--architecture, default WORK/architecture.json): only its own top-level key
+"evidence_pipeline" is added or replaced, so the record can live inside the repo's architecture.json.
+
+    python evidence/run_pipeline.py --config evidence/configs/qwen3.json --work WORK --out OUT \
+        --cache-dir CACHE [--lock]
+    python evidence/run_pipeline.py --config evidence/configs/tiny.json --work WORK --out OUT \
+        --mirror MIRROR --manifest MANIFEST --teacher TEACHER_DIR --base BASE_DIR --tokenizer TOKENIZER_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import draft_model
+from evidence import common
+
+STAGES = ("prompts", "aya", "data", "distill", "gptq", "lora", "eval_data")
+RECORD_KEY = "evidence_pipeline"
+
+
+def flags(settings: dict, skip: tuple[str, ...] = ()) -> list[str]:
+    """{"max_new_tokens": 512, "sym": false, "sources": ["a", "b"]} -> --max-new-tokens 512 --no-sym --sources a b"""
+    argv = []
+    for key, value in settings.items():
+        if key in skip or value is None or key.startswith("_"):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def model_flags(role: str, spec: dict, override: Path | None, option: str) -> list[str]:
+    """--teacher X [--teacher-revision R]: a local directory override, or the config's pinned hub id."""
+    if override is not None:
+        if not override.is_dir():
+            raise common.UserError(f"--{role} {override} is not a directory")
+        return [f"--{option}", str(override)]
+    if not spec or not spec.get("repo"):
+        raise common.UserError(f"the config names no {role} model; give --{role} DIR or set {role}.repo")
+    common.resolve_model(spec["repo"], spec.get("revision"))  # refuses an unpinned hub id
+    return [f"--{option}", spec["repo"], f"--{option}-revision", spec["revision"]]
+
+
+def lock_models(config_path: Path, config: dict, logger) -> None:
+    """Resolve each hub model's revision (a commit hash) and write it into the config file."""
+    from huggingface_hub import HfApi
+
+    for role in ("teacher", "base", "tokenizer"):
+        spec = config.get(role) or {}
+        if spec.get("repo") and not common.COMMIT_HASH.match(str(spec.get("revision"))):
+            try:
+                spec["revision"] = HfApi().model_info(spec["repo"], revision=spec.get("revision") or "main").sha
+            except Exception as error:
+                raise common.UserError(f"cannot resolve {spec['repo']} on the hub to lock it: {error}") from None
+            logger.info("locked %s %s at %s", role, spec["repo"], spec["revision"])
+    common.atomic_write_json(config_path, config)
+
+
+class Pipeline:
+    def __init__(self, args: argparse.Namespace, config: dict, logger):
+        self.args, self.config, self.logger = args, config, logger
+        self.work = args.work
+        self.state_path = self.work / "pipeline_state.json"
+        self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.rerun = args.force
+        self.commands: list[str] = []
+        self.reports: dict[str, dict] = {}
+
+    def path(self, name: str) -> Path:
+        return self.work / name
+
+    def portable(self, argv: list[str]) -> str:
+        """The command with this machine's directories replaced by placeholders, for the record."""
+        places = {self.work: "WORK", self.args.out: "OUT", self.args.cache_dir: "CACHE", self.args.mirror: "MIRROR",
+                  self.args.manifest: "MANIFEST", self.args.teacher: "TEACHER", self.args.base: "BASE", self.args.tokenizer: "TOKENIZER",
+                  self.args.eval_prompts: "EVAL_PROMPTS"}
+        text = shlex.join(argv)
+        for place, name in sorted(((str(p), n) for p, n in places.items() if p is not None), key=lambda item: -len(item[0])):
+            text = text.replace(place, name)
+        return text
+
+    def run_stage(self, stage: str, module: str, argv: list[str], outputs: list[Path], launcher: list[str] | None = None) -> dict:
+        """Run `module`.main(argv) unless the same command already completed with its outputs present."""
+        command = (launcher or ["python"]) + [f"evidence/{module}.py", *argv]
+        self.commands.append(self.portable(command))
+        if self.args.from_stage == stage:
+            self.rerun = True
+        done = self.state.get(stage, {})
+        if not self.rerun and done.get("argv") == argv and all(p.exists() for p in outputs):
+            self.logger.info("stage %s: unchanged, skipped", stage)
+            self.reports[stage] = done["report"]
+            return done["report"]
+        self.rerun = True  # everything downstream of a rerun stage runs again
+        self.logger.info("stage %s: %s", stage, shlex.join(command))
+        started = time.time()
+        if launcher:
+            result = subprocess.run(command, cwd=common.REPO_ROOT)
+            if result.returncode != 0:
+                raise common.UserError(f"stage {stage} failed (exit {result.returncode}): {shlex.join(command)}")
+            report = json.loads(common.log_path_beside(outputs[0], module).with_suffix(".json").read_text())
+        else:
+            report = importlib.import_module(f"evidence.{module}").main(argv)
+        self.logger.info("stage %s done in %.1f s", stage, time.time() - started)
+        self.state[stage] = {"argv": argv, "report": report, "seconds": round(time.time() - started, 1)}
+        common.atomic_write_json(self.state_path, self.state)
+        self.reports[stage] = report
+        return report
+
+    def source_flags(self) -> list[str]:
+        argv = ["--manifest", str(self.args.manifest)]
+        if self.args.mirror:
+            argv += ["--mirror", str(self.args.mirror)]
+        if self.args.cache_dir:
+            argv += ["--cache-dir", str(self.args.cache_dir)]
+        if self.args.lock:
+            argv.append("--lock")
+        tokenizer = self.config.get("tokenizer") or self.config.get("teacher")
+        return argv + model_flags("tokenizer", tokenizer, self.args.tokenizer, "tokenizer")
+
+    def run(self) -> dict:
+        config, k = self.config, str(self.config["k"])
+        prompts_cfg, aya_cfg = config["prompts"], config.get("aya")
+        base_prompts = self.path("prompts_base.jsonl" if aya_cfg else "prompts.jsonl")
+        prompts = self.path("prompts.jsonl")
+        self.run_stage(
+            "prompts",
+            "prepare_prompts",
+            [*self.source_flags(), *flags(prompts_cfg), "--out", str(base_prompts)],
+            [base_prompts],
+        )
+        if aya_cfg:
+            template = flags({key: prompts_cfg.get(key) for key in ("enable_thinking", "max_prompt_tokens")})
+            aya_argv = [
+                "--prompts",
+                str(base_prompts),
+                *self.source_flags(),
+                *template,
+                *flags(aya_cfg),
+                "--out",
+                str(prompts),
+            ]
+            self.run_stage("aya", "add_aya", aya_argv, [prompts])
+
+        data = self.path("data")
+        teacher = model_flags("teacher", config.get("teacher"), self.args.teacher, "teacher")
+        self.run_stage(
+            "data",
+            "gen_data",
+            ["--prompts", str(prompts), *teacher, "--out", str(data), *flags(config["gen_data"])],
+            [data / "index.json"],
+        )
+
+        student = self.path("student")
+        train_cfg = dict(config["train"])
+        processes = int(train_cfg.pop("nproc_per_node", 1))
+        launcher = ["torchrun", f"--nproc_per_node={processes}"] if processes > 1 else None
+        base = model_flags("base", config.get("base"), self.args.base, "base")
+        train_argv = [*base, "--data", str(data), "--out", str(student), "--k", k, *flags(train_cfg)]
+        self.run_stage("distill", "train_drafter", train_argv, [student], launcher)
+
+        package = self.path("package")
+        card = self.path("model_card_fields.json")
+        common.atomic_write_json(card, {"description": config.get("description", ""), **config.get("model_card", {})})
+        gptq_argv = [
+            "--student",
+            str(student),
+            "--data",
+            str(data),
+            "--out",
+            str(package),
+            "--k",
+            k,
+            "--name",
+            config["name"],
+            "--card",
+            str(card),
+            *flags(config["gptq"]),
+        ]
+        self.run_stage("gptq", "gptq_drafter", gptq_argv, [package])
+        lora_argv = ["--package", str(package), "--data", str(data), "--k", k, *flags(config["lora"])]
+        self.run_stage("lora", "lora_after_gptq", lora_argv, [package / draft_model.PACKAGE_LORA_WEIGHTS])
+
+        if self.args.eval_prompts:  # last: nothing trained depends on it
+            check_disjoint(prompts, self.args.eval_prompts)
+            eval_data = self.path("eval_data")
+            eval_argv = [
+                "--prompts",
+                str(self.args.eval_prompts),
+                *teacher,
+                "--out",
+                str(eval_data),
+                *flags(config["gen_data"] | {"holdout_fraction": 1.0}),
+            ]
+            self.run_stage("eval_data", "gen_data", eval_argv, [eval_data / "index.json"])
+        return self.finish(package, data)
+
+    def finish(self, package: Path, data: Path) -> dict:
+        """Copy the package to --out, check it loads strictly and drafts what was measured, write the record."""
+        with common.atomic_directory(self.args.out) as staging:
+            for file in sorted(package.iterdir()):
+                shutil.copyfile(file, staging / file.name)
+        agreement = package_draft_agreement(self.args.out, data, int(self.config["k"]))
+        self.logger.info("package %s: draft_model greedy drafts agree with the measured model on %.4f of tokens", self.args.out, agreement)
+        record = self.record(agreement)
+        if self.args.eval_prompts:
+            record["eval"] = self.measure_eval_set(package)
+        path = self.args.architecture or self.path("architecture.json")
+        existing = common.read_json(path, "architecture record") if path.exists() else {}
+        existing[RECORD_KEY] = record
+        common.atomic_write_json(path, existing)
+        self.logger.info("architecture record: %s", path)
+        return record
+
+    def measure_eval_set(self, package: Path) -> dict:
+        """Offline tau of every stage's model on the measurement-only set (e.g. MT-bench)."""
+        from transformers import AutoModelForCausalLM
+
+        from evidence.gen_data import load_examples
+        from evidence.gptq_drafter import dequantized_model
+        from evidence.tau import offline_tau
+
+        examples = load_examples(self.path("eval_data"), "holdout")
+        base = self.config.get("base") or {}
+        loaders = {
+            "base_model": lambda: AutoModelForCausalLM.from_pretrained(self.args.base or base["repo"], revision=None if self.args.base else base["revision"]),
+            "distilled": lambda: AutoModelForCausalLM.from_pretrained(self.path("student")),
+            "int4": lambda: dequantized_model(package, with_lora=False),
+            "int4_lora": lambda: dequantized_model(package, with_lora=True),
+        }
+        device = common.pick_device(None)
+        measured = {}
+        for stage, load in loaders.items():
+            report = offline_tau(load().to(device).eval(), examples, int(self.config["k"]), progress=False)
+            measured[stage] = {"tau": report.tau, "top1_agreement": report.top1_agreement}
+            self.logger.info("eval set: %s tau %.4f, top-1 %.4f", stage, report.tau, report.top1_agreement)
+        return {"prompts": self.portable([str(self.args.eval_prompts)]), "sequences": len(examples),
+                "tokens": sum(len(e["tokens"]) for e in examples), "tau": measured}
+
+    def record(self, agreement: float) -> dict:
+        reports, config = self.reports, self.config
+        distill, gptq, lora = reports["distill"], reports["gptq"], reports["lora"]
+
+        def role(name: str, override: Path | None) -> dict | None:
+            """A hub model as configured (repo + revision), or a local directory by name and file checksums."""
+            if override is None:
+                return config.get(name)
+            return {"local_directory": override.name, "files_sha256": common.directory_fingerprint(override)}
+
+        prompt_counts = dict(reports["prompts"]["written"])
+        if "aya" in reports:
+            prompt_counts["aya"] = reports["aya"]["added"]
+        return {
+            "name": config["name"], "config": config.get("_config_file"), "k": config["k"],
+            "base_model": role("base", self.args.base), "target_model": role("teacher", self.args.teacher),
+            "tokenizer": role("tokenizer", self.args.tokenizer) or config.get("teacher"),
+            "data": {"prompts_per_source": prompt_counts, "enable_thinking": reports["prompts"]["enable_thinking"],
+                     "teacher_data": reports["data"], "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})}},
+            "recipe": {"distillation": distill["settings"], "quantization": gptq["settings"] | {"bits": 4, "store_dtype": gptq["store_dtype"],
+                       "calibration_sequences": gptq["calibration_sequences"]}, "lora": lora["lora"] | {"settings": lora["settings"]}},
+            "holdout_tau": {
+                "base_model": distill["history"][0]["holdout_tau"], "distilled": distill["selected_holdout_tau"],
+                "int4": gptq["int4_holdout"]["tau"], "int4_lora": lora["holdout_tau_after"],
+            },
+            "holdout_top1": {"distilled": gptq["student_holdout"]["top1_agreement"], "int4": gptq["int4_holdout"]["top1_agreement"],
+                             "int4_lora": lora["holdout_after"]["top1_agreement"]},
+            "int4_vs_distilled_top1_agreement": gptq["int4_vs_student_top1_agreement"],
+            "package_draft_agreement": agreement,
+            "selected_steps": {"distill": distill["selected_step"], "lora": lora["selected_step"]},
+            "commands": self.commands, "versions": versions(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
+
+def check_disjoint(train_prompts: Path, eval_prompts: Path) -> None:
+    """Never train on what is measured: no measurement prompt may also be a training prompt."""
+    train = {tuple(row["token_ids"]) for row in common.read_jsonl(train_prompts)}
+    shared = [row["id"] for row in common.read_jsonl(eval_prompts) if tuple(row["token_ids"]) in train]
+    if shared:
+        raise common.UserError(f"{len(shared)} measurement prompt(s) are also training prompts (first: {shared[0]}); remove them from one side")
+
+
+@torch.no_grad()
+def package_draft_agreement(package: Path, data: Path, k: int, rows: int = 4) -> float:
+    """draft_model's greedy drafts from the package vs greedy decoding of the Hugging Face model the
+    pipeline measured (dequantized INT4 + merged LoRA), on a few holdout prompts: the fraction of the
+    compared draft tokens that are equal (1.0 means the package means what was measured)."""
+    from evidence.gen_data import generate_transformers, load_examples
+    from evidence.gptq_drafter import dequantized_model
+
+    device = common.pick_device(None)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    examples = load_examples(data, "holdout")[:rows]
+    drafter = draft_model.load_model(package, device=device, dtype=dtype)
+    prompts = [e["prompt_ids"].tolist() for e in examples]
+    drafts = draft_model.draft_batch(drafter, prompts, max_tokens=k)
+    reference = dequantized_model(package, device=device, dtype=dtype)
+    same = total = 0
+    for prompt, draft in zip(prompts, drafts):
+        expected = generate_transformers(reference, [prompt], max_new_tokens=k, top_k=1, eos_ids=[-1])[0][0].tolist()
+        compared = min(len(draft), len(expected))
+        same += sum(int(a == b) for a, b in zip(list(draft)[:compared], expected[:compared]))
+        total += compared
+    return same / total if total else float("nan")
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"}
+    for package in ("transformers", "peft", "safetensors", "tokenizers", "huggingface_hub", "vllm"):
+        try:
+            found[package] = importlib.import_module(package).__version__
+        except ImportError:
+            found[package] = None
+    return found
+
+
+def load_config(path: Path) -> dict:
+    config = common.read_json(path, "pipeline config")
+    missing = [key for key in ("name", "k", "prompts", "gen_data", "train", "gptq", "lora") if key not in config]
+    if missing:
+        raise common.UserError(f"pipeline config {path} lacks {missing}")
+    if not isinstance(config["k"], int) or config["k"] < 1:
+        raise common.UserError(f"pipeline config {path}: k must be a positive integer, got {config['k']!r}")
+    return config
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True, help="pipeline config (evidence/configs/*.json)")
+    parser.add_argument("--work", type=Path, required=True, help="directory for every intermediate output")
+    parser.add_argument("--out", type=Path, required=True, help="model package directory to write (model/ only when asked)")
+    parser.add_argument("--manifest", type=Path, default=common.REPO_ROOT / "data_manifest.json")
+    parser.add_argument("--mirror", type=Path, default=None, help="local mirror of the hub datasets: MIRROR/<repo>/<path>")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="download cache (hub files, PyPI/npm artifacts)")
+    parser.add_argument("--lock", action="store_true", help="resolve unpinned datasets and models on the hub and record the pins")
+    parser.add_argument("--teacher", type=Path, default=None, help="local teacher directory instead of the config's hub id")
+    parser.add_argument("--base", type=Path, default=None, help="local base model directory instead of the config's hub id")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="local tokenizer directory instead of the config's hub id")
+    parser.add_argument("--eval-prompts", type=Path, default=None, help="prompts.jsonl measured only (e.g. MT-bench): tau of every stage on it")
+    parser.add_argument("--architecture", type=Path, default=None, help="architecture record to update (default WORK/architecture.json)")
+    parser.add_argument("--from-stage", choices=STAGES, default=None, help="rerun this stage and every later one")
+    parser.add_argument("--force", action="store_true", help="rerun every stage")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.out.resolve() == (common.REPO_ROOT / "model").resolve():
+        print("note: writing the package over the repo's model/ directory", file=sys.stderr)
+    logger = common.setup_logging(args.work / "run_pipeline.log", "run_pipeline")
+    logger.info("command: python evidence/run_pipeline.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    config = load_config(args.config)
+    if args.lock:
+        lock_models(args.config, config, logger)
+    config["_config_file"] = args.config.name
+    return Pipeline(args, config, logger).run()
+
+
+if __name__ == "__main__":
+    common.run_cli(main)

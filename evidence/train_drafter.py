@@ -1,0 +1,281 @@
+"""Distillation of the drafter: the base model learns the teacher's greedy continuations.
+
+Loss per continuation position (token-mean over the batch):
+
+    ce_weight * CE(student logits, teacher greedy token)
+  + kl_weight * KL(p || q),  p = teacher top-K probabilities renormalised over those K ids,
+                             q = student softmax restricted to the same K ids, renormalised over them.
+
+AdamW, linear warmup then cosine decay to `min_lr_ratio * lr`, gradient accumulation, bf16 autocast on
+GPU. Under torchrun / accelerate launch (WORLD_SIZE set) it runs as DDP: each rank takes every
+WORLD_SIZE-th example of the shuffled epoch, rank 0 evaluates and saves. The checkpoint kept is the one
+with the best holdout tau measured by the exact offline estimator (evidence/tau.py), step 0 included.
+
+Reads: the base model (directory or hub id + --base-revision) and DATA_DIR from gen_data.py.
+Writes: OUT (a Hugging Face model directory with the selected weights), OUT.train_drafter.json (history
+and the selected step) and the log OUT.train_drafter.log.
+
+    python evidence/train_drafter.py --base Qwen/Qwen3-1.7B --base-revision COMMIT --data WORK/data \
+        --out WORK/student --k 16 --epochs 2 --lr 2e-5
+    torchrun --nproc_per_node 8 evidence/train_drafter.py ...same flags...
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from evidence import common
+from evidence.gen_data import collate, load_examples
+from evidence.tau import continuation_logits, offline_tau
+
+
+def distillation_loss(
+    logits: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+    ce_weight: float, kl_weight: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """logits [N, V] of the student at N continuation positions; targets [N] the teacher's tokens;
+    topk_ids / topk_logprobs [N, K] the teacher's top K. Returns the loss and its parts (token means)."""
+    logits = logits.float()
+    cross_entropy = F.cross_entropy(logits, targets)
+    teacher_log_p = torch.log_softmax(topk_logprobs.float(), dim=-1)  # renormalised over the K ids
+    student_log_q = torch.log_softmax(logits.gather(-1, topk_ids), dim=-1)  # [N, K] restricted, renormalised
+    kl = (teacher_log_p.exp() * (teacher_log_p - student_log_q)).sum(-1).mean()
+    loss = ce_weight * cross_entropy + kl_weight * kl
+    return loss, {"ce": cross_entropy.item(), "kl": kl.item()}
+
+
+def learning_rate_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup from 0 to 1 over warmup_steps, then cosine from 1 down to min_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainSettings:
+    k: int = 16
+    lr: float = 2e-5
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; default from epochs
+    batch_size: int = 4  # examples per micro-batch per rank
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    ce_weight: float = 1.0
+    kl_weight: float = 1.0
+    eval_every: int = 100  # optimizer steps between holdout tau measurements
+    eval_batch_size: int = 8
+    seed: int = 0
+    bf16: bool = True  # autocast on CUDA; CPU always runs fp32
+
+
+class Distiller(torch.nn.Module):
+    """The causal LM with a forward that returns logits at continuation positions only, so that DDP
+    (which hooks the forward of the module it wraps) sees the whole computation."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return continuation_logits(self.model, batch)
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Distributed:
+    """torch.distributed from torchrun's environment when WORLD_SIZE > 1; a single process otherwise."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return Distributed()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return Distributed(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank)
+
+
+def train(
+    model: torch.nn.Module, train_examples: list[dict], holdout_examples: list[dict], settings: TrainSettings,
+    logger, distributed: Distributed | None = None,
+) -> dict:
+    """Optimise the parameters of `model` that require grad; leave `model` holding the weights with the
+    best holdout tau. Returns the history and the selected step."""
+    distributed = distributed or Distributed()
+    device = next(model.parameters()).device
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise common.UserError("the model has no trainable parameters")
+    distiller: torch.nn.Module = Distiller(model)
+    if distributed.world_size > 1:
+        ids = [distributed.local_rank] if device.type == "cuda" else None
+        distiller = torch.nn.parallel.DistributedDataParallel(distiller, device_ids=ids)
+    examples_per_step = settings.batch_size * settings.grad_accum * distributed.world_size
+    total_steps = settings.max_steps or max(1, math.ceil(settings.epochs * len(train_examples) / examples_per_step))
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: learning_rate_factor(step, settings.warmup_steps, total_steps, settings.min_lr_ratio)
+    )
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and settings.bf16 else nullcontext()
+    micro_batches = micro_batch_stream(train_examples, settings, distributed)
+    history: list[dict] = []
+    best = {"step": -1, "tau": -math.inf, "state": None}
+
+    def evaluate(step: int, train_parts: dict | None) -> None:
+        if distributed.is_main:
+            report = offline_tau(model, holdout_examples, settings.k, settings.eval_batch_size, progress=False)
+            history.append({"step": step, "holdout_tau": report.tau, "holdout_top1": report.top1_agreement, **(train_parts or {})})
+            logger.info("step %d: holdout tau %.4f, top-1 %.4f %s", step, report.tau, report.top1_agreement, train_parts or "")
+            if report.tau > best["tau"]:
+                best.update(step=step, tau=report.tau, state={n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad})
+        if distributed.world_size > 1:
+            dist.barrier()
+
+    model.train()
+    evaluate(0, None)
+    for step in tqdm(range(1, total_steps + 1), desc="train", disable=not distributed.is_main):
+        parts = {"loss": 0.0, "ce": 0.0, "kl": 0.0}
+        for micro in range(settings.grad_accum):
+            batch = {key: value.to(device) for key, value in collate(next(micro_batches)).items()}
+            last_micro = micro == settings.grad_accum - 1
+            sync = nullcontext() if last_micro or distributed.world_size == 1 else distiller.no_sync()
+            with sync:
+                with autocast:
+                    logits = distiller(batch)  # [N, V]
+                loss, loss_parts = distillation_loss(
+                    logits, batch["targets"], batch["topk_ids"], batch["topk_logprobs"], settings.ce_weight, settings.kl_weight
+                )
+                (loss / settings.grad_accum).backward()
+            parts["loss"] += loss.item() / settings.grad_accum
+            for key, value in loss_parts.items():
+                parts[key] += value / settings.grad_accum
+        torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % settings.eval_every == 0 or step == total_steps:
+            evaluate(step, {**parts, "lr": scheduler.get_last_lr()[0]})
+    model.eval()
+    if distributed.is_main:
+        with torch.no_grad():
+            parameters = dict(model.named_parameters())
+            for name, value in best["state"].items():
+                parameters[name].copy_(value.to(parameters[name].device))
+        logger.info("selected step %d with holdout tau %.4f", best["step"], best["tau"])
+    return {"history": history, "selected_step": best["step"], "selected_holdout_tau": best["tau"], "total_steps": total_steps}
+
+
+def micro_batch_stream(examples: list[dict], settings: TrainSettings, distributed: Distributed):
+    """Endless micro-batches: each epoch a fresh seeded shuffle, this rank's share of it, in chunks."""
+    if len(examples) < distributed.world_size:
+        raise common.UserError(f"{len(examples)} training examples cannot be shared by {distributed.world_size} ranks")
+    shuffler = random.Random(settings.seed)
+    epoch_examples = list(examples)
+    while True:
+        shuffler.shuffle(epoch_examples)
+        mine = epoch_examples[distributed.rank :: distributed.world_size]
+        for first in range(0, len(mine) - settings.batch_size + 1, settings.batch_size):
+            yield mine[first : first + settings.batch_size]
+        if len(mine) < settings.batch_size:
+            yield mine
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainSettings) -> None:
+    """The TrainSettings fields as flags (shared with lora_after_gptq.py)."""
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            kind = int if name == "max_steps" else type(value)
+            parser.add_argument(flag, type=kind, default=value)
+
+
+def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    settings = TrainSettings(**{name: getattr(args, name) for name in asdict(TrainSettings())})
+    for name in ("k", "batch_size", "grad_accum", "eval_every", "eval_batch_size"):
+        if getattr(settings, name) < 1:
+            raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
+    if settings.lr <= 0 or settings.epochs <= 0:
+        raise common.UserError(f"--lr and --epochs must be positive, got {settings.lr} and {settings.epochs}")
+    return settings
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="base model: local directory or hub id")
+    parser.add_argument("--base-revision", default=None, help="hub commit (required for a hub id)")
+    parser.add_argument("--data", type=Path, required=True, help="gen_data.py output directory")
+    parser.add_argument("--out", type=Path, required=True, help="output model directory")
+    parser.add_argument("--device", default=None)
+    add_train_arguments(parser, TrainSettings())
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    args = parse_args(argv)
+    settings = settings_from_args(args)
+    distributed = init_distributed()
+    log_name = f"train_drafter.rank{distributed.rank}" if distributed.world_size > 1 else "train_drafter"
+    logger = common.setup_logging(common.log_path_beside(args.out, log_name), "train_drafter")
+    logger.info("command: python evidence/train_drafter.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    base, revision = common.resolve_model(args.base, args.base_revision)
+    torch.manual_seed(settings.seed)
+    train_examples = load_examples(args.data, "train")
+    holdout_examples = load_examples(args.data, "holdout")
+    device = f"cuda:{distributed.local_rank}" if torch.cuda.is_available() and not args.device else common.pick_device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=torch.float32).to(device)
+    check_vocabulary(model, train_examples + holdout_examples)
+    logger.info("%d train / %d holdout examples; %s", len(train_examples), len(holdout_examples), settings)
+    result = train(model, train_examples, holdout_examples, settings, logger, distributed)
+    report = {"base": args.base, "base_revision": revision, "settings": asdict(settings), **result,
+              "train_examples": len(train_examples), "holdout_examples": len(holdout_examples)}
+    if distributed.is_main:
+        with common.atomic_directory(args.out) as staging:
+            model.save_pretrained(staging, safe_serialization=True)
+        common.atomic_write_json(common.log_path_beside(args.out, "train_drafter").with_suffix(".json"), report)
+    if distributed.world_size > 1:
+        dist.destroy_process_group()
+    return report
+
+
+def check_vocabulary(model: torch.nn.Module, examples: list[dict]) -> None:
+    """The student must score every token id the teacher produced."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    largest = max(int(torch.cat([e["tokens"], e["topk_ids"].flatten(), e["prompt_ids"]]).max()) for e in examples)
+    if largest >= vocab:
+        raise common.UserError(f"the data holds token id {largest} but the student's vocabulary has {vocab} entries; teacher and base must share a tokenizer")
+
+
+if __name__ == "__main__":
+    common.run_cli(main)

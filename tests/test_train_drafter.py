@@ -1,0 +1,116 @@
+"""The distillation loss against hand-computed values, the schedule, and a real two-process DDP run."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evidence import common
+from evidence.gen_data import load_examples
+from evidence.train_drafter import distillation_loss, learning_rate_factor
+from pipeline_fixtures import perturbed_copy
+from tiny_models import make_hf_model, write_hf_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kl_renormalises_the_teacher_top_k_and_the_student_on_those_ids():
+    # Teacher top-2 ids [1, 3] with probabilities 0.6 and 0.2 -> renormalised p = [0.75, 0.25].
+    # Student logits are equal on ids 1 and 3 -> restricted and renormalised q = [0.5, 0.5], whatever
+    # the other ids hold (id 2 has most of the student's full softmax mass).
+    logits = torch.tensor([[0.0, 2.0, 5.0, 2.0, -1.0]])
+    topk_ids, topk_logprobs = torch.tensor([[1, 3]]), torch.tensor([[math.log(0.6), math.log(0.2)]])
+    _, parts = distillation_loss(logits, torch.tensor([1]), topk_ids, topk_logprobs, ce_weight=1.0, kl_weight=1.0)
+    assert parts["kl"] == pytest.approx(0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5), rel=1e-6)  # 0.1308120
+    assert parts["ce"] == pytest.approx(-(2.0 - math.log(1 + 2 * math.exp(2) + math.exp(5) + math.exp(-1))), rel=1e-6)
+
+
+def test_kl_and_cross_entropy_equal_a_hand_computed_batch():
+    # Row 0: teacher p = [0.5, 0.25, 0.25] on ids [0, 2, 3]; student logits there ln 1, ln 2, ln 1 -> q = [0.25, 0.5, 0.25].
+    # Row 1: teacher p = [0.6, 0.2, 0.2] (sums to 1) on ids [4, 1, 0]; student logits 2, 2, -1 there.
+    logits = torch.tensor([[0.0, 9.0, math.log(2), 0.0, 3.0], [-1.0, 2.0, 0.5, 0.0, 2.0]])
+    targets = torch.tensor([2, 4])
+    topk_ids = torch.tensor([[0, 2, 3], [4, 1, 0]])
+    topk_logprobs = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25)], [math.log(0.6), math.log(0.2), math.log(0.2)]])
+    kl_row0 = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5) + 0.25 * math.log(0.25 / 0.25)  # 0.1732868
+    z = 2 * math.exp(2) + math.exp(-1)
+    q_row1 = [math.exp(2) / z, math.exp(2) / z, math.exp(-1) / z]
+    kl_row1 = sum(p * math.log(p / q) for p, q in zip([0.6, 0.2, 0.2], q_row1))
+    ce_row0 = -(math.log(2) - math.log(1 + math.exp(9) + 2 + 1 + math.exp(3)))
+    ce_row1 = -(2.0 - math.log(math.exp(-1) + math.exp(2) + math.exp(0.5) + 1 + math.exp(2)))
+    loss, parts = distillation_loss(logits, targets, topk_ids, topk_logprobs, ce_weight=0.5, kl_weight=2.0)
+    assert parts["kl"] == pytest.approx((kl_row0 + kl_row1) / 2, rel=1e-6)
+    assert parts["ce"] == pytest.approx((ce_row0 + ce_row1) / 2, rel=1e-6)
+    assert float(loss) == pytest.approx(0.5 * parts["ce"] + 2.0 * parts["kl"], rel=1e-6)
+
+
+def test_kl_is_zero_when_the_student_matches_the_teacher_on_its_top_k():
+    teacher_logits = torch.randn(6, 50)
+    top = torch.log_softmax(teacher_logits, -1).topk(20)
+    _, parts = distillation_loss(teacher_logits + 3.0, top.indices[:, 0], top.indices, top.values, 1.0, 1.0)
+    assert parts["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_learning_rate_warms_up_then_decays_by_cosine():
+    factors = [learning_rate_factor(step, warmup_steps=4, total_steps=20, min_ratio=0.1) for step in range(21)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == pytest.approx(1.0) and factors[20] == pytest.approx(0.1)
+    assert factors[12] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    from evidence import gen_data
+
+    root = tmp_path_factory.mktemp("train")
+    teacher = make_hf_model("qwen3", seed=11)
+    write_hf_checkpoint(teacher, root / "teacher")
+    write_hf_checkpoint(perturbed_copy(teacher, noise=0.3, seed=12), root / "base")
+    prompts = [{"id": f"q{i}", "source": "test", "messages": [], "token_ids": [3, 10 + i, 60 + 2 * i, 9]} for i in range(24)]
+    common.write_jsonl(root / "prompts.jsonl", prompts)
+    gen_data.main(["--prompts", str(root / "prompts.jsonl"), "--teacher", str(root / "teacher"), "--out", str(root / "data"),
+                   "--max-new-tokens", "16", "--batch-size", "8", "--shard-size", "12", "--holdout-fraction", "0.25", "--eos-token-ids", "2"])
+    return {"root": root, "base": root / "base", "data": root / "data"}
+
+
+def test_training_raises_train_agreement_and_keeps_the_best_checkpoint(data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from evidence import train_drafter
+    from evidence.tau import offline_tau
+
+    out = tmp_path / "student"
+    report = train_drafter.main(["--base", str(data["base"]), "--data", str(data["data"]), "--out", str(out), "--k", "4",
+                                 "--lr", "3e-3", "--warmup-steps", "2", "--max-steps", "12", "--batch-size", "6", "--eval-every", "4"])
+    assert [entry["step"] for entry in report["history"]] == [0, 4, 8, 12]
+    best = max(report["history"], key=lambda entry: entry["holdout_tau"])
+    assert report["selected_step"] == best["step"] and report["selected_holdout_tau"] == best["holdout_tau"]
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    holdout = offline_tau(saved, load_examples(data["data"], "holdout"), k=4, progress=False)
+    assert holdout.tau == pytest.approx(best["holdout_tau"])  # the saved weights are the selected ones
+    base = AutoModelForCausalLM.from_pretrained(data["base"])
+    train = load_examples(data["data"], "train")
+    last = train_drafter.train(base, train, train, train_drafter.TrainSettings(k=4, lr=3e-3, warmup_steps=2, max_steps=12, batch_size=6, eval_every=12),
+                               common.setup_logging(tmp_path / "t.log", "t"))
+    assert last["history"][-1]["holdout_tau"] > last["history"][0]["holdout_tau"]  # it learns what it is taught
+
+
+def test_same_script_runs_as_ddp_under_torchrun(data, tmp_path):
+    """Two CPU processes (gloo): both ranks train, rank 0 saves; DDP keeps the replicas equal."""
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "evidence/train_drafter.py", "--base", str(data["base"]),
+               "--data", str(data["data"]), "--out", str(out), "--k", "4", "--lr", "3e-3", "--warmup-steps", "1", "--max-steps", "3",
+               "--batch-size", "3", "--eval-every", "3"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (out / "model.safetensors").exists()
+    report = json.loads(common.log_path_beside(out, "train_drafter").with_suffix(".json").read_text())
+    assert report["total_steps"] == 3 and [e["step"] for e in report["history"]] == [0, 3]
+    for rank in (0, 1):
+        assert "train / " in common.log_path_beside(out, f"train_drafter.rank{rank}").read_text()
