@@ -684,6 +684,7 @@ def load_model(
     cache_slots: int = 16,
     max_context: int | None = None,
     merge_lora: bool = True,
+    use_lora: bool = True,
     weights: str = "auto",
     quantize_lm_head: bool = False,
 ) -> "Drafter":
@@ -694,7 +695,7 @@ def load_model(
     "auto" packs whenever the kernel can run. dtype: bf16 when packed or on cuda, else fp32.
     cache_slots: prefix-cache slots (a batch uses at most half of them). max_context: tokens per
     slot, default min(max_position_embeddings, 4096). LoRA is merged into dense weights by default
-    and always kept as side matmuls beside packed ones. quantize_lm_head: on the packed path, also
+    and always kept as side matmuls beside packed ones (use_lora=False ignores the adapter). quantize_lm_head: on the packed path, also
     round the lm_head to INT4 at load (faster decode steps; measure its effect on tau).
     """
     model_dir = Path(model_dir)
@@ -732,7 +733,7 @@ def load_model(
         log.warning("%d of %d quantized linears stay dense (e.g. %s: %s)", len(dense_reasons), len(dense_reasons) + len(int4_layers), name, reason)
 
     lora = None
-    if (model_dir / PACKAGE_LORA_CONFIG).exists() or (model_dir / PACKAGE_LORA_WEIGHTS).exists():
+    if use_lora and ((model_dir / PACKAGE_LORA_CONFIG).exists() or (model_dir / PACKAGE_LORA_WEIGHTS).exists()):
         lora = _apply_lora(model, model_dir, dtype, merge=merge_lora)
 
     card_path = model_dir / PACKAGE_MODEL_CARD

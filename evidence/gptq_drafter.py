@@ -33,7 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -322,45 +321,17 @@ def quant_config(settings: QuantSettings, calib_samples: int) -> dict:
 
 
 def dequantized_model(package_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, with_lora: bool = True) -> torch.nn.Module:
-    """The package as a Hugging Face model: INT4 weights dequantized (draft_model.gptq_dequantize),
-    other tensors as stored, the LoRA adapter merged (W + alpha/r * B @ A) when present and asked for.
-    Strict: a missing or unexpected tensor is an error naming it."""
+    """The package as a Hugging Face model on exactly the weights draft_model computes with: INT4
+    dequantized and, when asked, the LoRA adapter merged. Loading is draft_model's, so it is strict."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    package_dir = Path(package_dir)
-    quant = common.read_json(package_dir / draft_model.PACKAGE_QUANT_CONFIG, "quant config")
-    config = AutoConfig.from_pretrained(package_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with safe_open(str(package_dir / draft_model.PACKAGE_WEIGHTS), framework="pt") as handle:
-        stored = {name: handle.get_tensor(name) for name in handle.keys()}
-    state = {}
-    for name in [n for n in stored if n.endswith(".qweight")]:
-        module = name.removesuffix(".qweight")
-        parts = {kind: stored.pop(f"{module}.{kind}") for kind in ("qweight", "qzeros", "scales", "g_idx")}
-        state[f"{module}.weight"] = draft_model.gptq_dequantize(**parts, checkpoint_format=quant.get("checkpoint_format", "gptq"))
-    state.update({name: tensor.float() for name, tensor in stored.items()})
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if is_tied(model) else set())
-    if set(state) != expected:
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise common.UserError(f"{package_dir}: tensors do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.load_state_dict(state, strict=not is_tied(model))
-    if with_lora and (package_dir / draft_model.PACKAGE_LORA_WEIGHTS).exists():
-        merge_lora(model, package_dir)
+    try:
+        drafter = draft_model.load_model(package_dir, "cpu", torch.float32, weights="dequant", use_lora=with_lora, cache_slots=2, max_context=1)
+    except draft_model.ModelLoadError as error:
+        raise common.UserError(str(error)) from None
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(package_dir), dtype=torch.float32)
+    model.load_state_dict(drafter.hf_state_dict())
     return model.to(device=device, dtype=dtype).eval()
-
-
-@torch.no_grad()
-def merge_lora(model: torch.nn.Module, package_dir: Path) -> None:
-    """W += scale * B @ A for every adapted projection (scale alpha / r, or alpha / sqrt(r) with rsLoRA)."""
-    config = common.read_json(package_dir / draft_model.PACKAGE_LORA_CONFIG, "LoRA config")
-    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
-    with safe_open(str(package_dir / draft_model.PACKAGE_LORA_WEIGHTS), framework="pt") as handle:
-        adapter = {name: handle.get_tensor(name) for name in handle.keys()}
-    prefix = "base_model.model."
-    for name in [n for n in adapter if n.endswith(".lora_A.weight")]:
-        module = name.removeprefix(prefix).removesuffix(".lora_A.weight")
-        lora_a, lora_b = adapter[name].float(), adapter[name.replace("lora_A", "lora_B")].float()  # [r, in], [out, r]
-        model.get_submodule(module).weight += scale * lora_b @ lora_a
 
 
 # ---------------------------------------------------------------------------------------------------
