@@ -1,0 +1,112 @@
+"""evidence/measure_tau.py against a tiny random Qwen3 target, with a perturbed copy of it as the drafter:
+lossless output, agreement with the offline estimator (evidence/tau.py), the same figures over HTTP as
+in process, and the n-gram baseline."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evidence import measure_tau
+from evidence.gen_data import generate_transformers
+from evidence.tau import offline_tau
+from pipeline_fixtures import perturbed_copy
+from test_server import one_torch_thread, start_server, stop_server  # noqa: F401 (an autouse fixture: the cores are shared)
+from tiny_models import make_hf_model, write_hf_checkpoint
+
+K = 6
+MAX_NEW_TOKENS = 24
+PROMPTS = [[5 + i, 17 * i % 250 + 3, 40 + 3 * i, 9, 5 + i, 17 * i % 250 + 3] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The target, a close drafter (perturbed copy) and an unrelated one, as checkpoint directories."""
+    root = tmp_path_factory.mktemp("measure-tau")
+    target = make_hf_model("qwen3", seed=3)
+    close = perturbed_copy(target, noise=0.05, seed=4)
+    return {
+        "target": target,
+        "close": close,
+        "target_dir": write_hf_checkpoint(target, root / "target"),
+        "close_dir": write_hf_checkpoint(close, root / "close"),
+        "unrelated_dir": write_hf_checkpoint(make_hf_model("qwen3", seed=11), root / "unrelated"),
+        "prompts": write_prompts(root / "prompts.jsonl"),
+    }
+
+
+def write_prompts(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"id": str(i), "token_ids": ids}) + "\n" for i, ids in enumerate(PROMPTS)))
+    return path
+
+
+def run_harness(models: dict, tmp_path: Path, *drafter_flags: str) -> dict:
+    argv = ["--target", str(models["target_dir"]), "--prompts", str(models["prompts"]), "--k", str(K)]
+    argv += ["--max-new-tokens", str(MAX_NEW_TOKENS), "--check", "--json", str(tmp_path / "tau.json"), *drafter_flags]
+    report = measure_tau.main(argv)
+    assert json.loads((tmp_path / "tau.json").read_text()) == json.loads(json.dumps(report))
+    return report
+
+
+def test_in_process_is_lossless_and_equals_offline_tau(models, tmp_path):
+    report = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]))
+    (run,) = report["runs"]
+    assert run["check"] == "passed"
+    # The offline estimator replays verification from the drafter's teacher-forced argmax on the
+    # target's greedy continuation: for greedy drafting it must give exactly the same counts.
+    eos = sorted(measure_tau.eos_token_ids(models["target"]))
+    generations = generate_transformers(models["target"], PROMPTS, max_new_tokens=MAX_NEW_TOKENS, top_k=5, eos_ids=eos)
+    examples = []
+    for prompt, committed, (tokens, topk_ids, topk_logprobs) in zip(PROMPTS, run["outputs"], generations):
+        assert committed == tokens.tolist()
+        examples.append(dict(id=str(prompt), prompt_ids=torch.tensor(prompt), tokens=tokens, topk_ids=topk_ids, topk_logprobs=topk_logprobs))
+    offline = offline_tau(models["close"], examples, k=K, batch_size=4, progress=False)
+    assert (run["committed_tokens"], run["verify_steps"]) == (offline.committed, offline.steps)
+    assert run["tau"] == offline.tau
+    assert run["tau"] > 2.0  # the perturbed copy agrees often: the test can tell a broken loop from a working one
+    assert len(run["acceptance_by_position"]) == K and all(0 <= p <= 1 for p in run["acceptance_by_position"])
+
+
+def test_server_over_http_matches_in_process(models, tmp_path, repo_root):
+    in_process = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]))["runs"][0]
+    running = start_server(repo_root, models["close_dir"], tmp_path / "server.log")
+    try:
+        over_http = run_harness(models, tmp_path, "--server", running.url)["runs"][0]
+    finally:
+        stop_server(running)
+    assert over_http["check"] == "passed"
+    assert over_http["outputs"] == in_process["outputs"]
+    assert (over_http["tau"], over_http["verify_steps"]) == (in_process["tau"], in_process["verify_steps"])
+    assert over_http["acceptance_by_position"] == in_process["acceptance_by_position"]
+
+
+def test_ngram_baseline_runs(models, tmp_path):
+    (run,) = run_harness(models, tmp_path, "--baselines", "ngram")["runs"]
+    assert run["drafter"] == "ngram" and run["check"] == "passed"
+    assert run["tau"] >= 1.0
+    assert run["mean_draft_tokens_per_call"] > 0  # the prompts repeat themselves, so lookups do find matches
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    draft = measure_tau.ngram_drafter(max_ngram=2)
+    assert draft([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3) == [5, 6, 1]  # latest earlier "1 2" is followed by 5 6 1
+    assert draft([7, 8, 9], 4) == []
+
+
+def test_unrelated_drafter_is_still_lossless(models, tmp_path):
+    (run,) = run_harness(models, tmp_path, "--drafter", str(models["unrelated_dir"]))["runs"]
+    assert run["check"] == "passed" and run["mismatches"] == []
+    assert 1.0 <= run["tau"] < 1.5  # it rarely agrees, yet every committed token is the target's
+
+
+def test_user_errors_exit_2(models, tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"token_ids": [1, 999]}) + "\n")
+    argv = ["measure_tau.py", "--target", str(models["target_dir"]), "--prompts", str(bad), "--baselines", "ngram"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        measure_tau.common.run_cli(measure_tau.main)
+    assert exit_info.value.code == 2
+    assert "outside the target's vocabulary" in capsys.readouterr().err
