@@ -463,12 +463,15 @@ def test_sigterm_under_load_finishes_queued_requests_and_exits_0(repo_root, tiny
 # ----------------------------------------------------------------------------- batcher in-process
 
 
+def in_process_drafting(model_dir: Path) -> server.DraftFn:
+    """The draft function the server's batcher calls, on an fp32 drafter in this process."""
+    drafter = draft_model.load_model(model_dir, "cpu", "float32", cache_slots=8)
+    return lambda batch, max_tokens, return_logprobs: draft_model.draft_batch(drafter, batch, max_tokens, return_logprobs)
+
+
 def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, reference):
     """An exception inside draft_batch (here: an id the HTTP layer would have refused) fails that batch only."""
-    drafter = draft_model.load_model(tiny_checkpoint, "cpu", "float32", cache_slots=8)
-
-    def draft_fn(batch, max_tokens, return_logprobs):
-        return draft_model.draft_batch(drafter, batch, max_tokens=max_tokens, return_logprobs=return_logprobs)
+    draft_fn = in_process_drafting(tiny_checkpoint)
 
     async def scenario():
         batcher = server.Batcher(draft_fn, max_batch_size=4, max_wait_ms=50, max_queue=8, metrics=server.Metrics(4))
@@ -488,10 +491,7 @@ def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, referenc
 
 
 def test_cancelled_requests_are_skipped_and_stop_drains_the_queue(tiny_checkpoint: Path, reference):
-    drafter = draft_model.load_model(tiny_checkpoint, "cpu", "float32", cache_slots=8)
-
-    def draft_fn(batch, max_tokens, return_logprobs):
-        return draft_model.draft_batch(drafter, batch, max_tokens=max_tokens, return_logprobs=return_logprobs)
+    draft_fn = in_process_drafting(tiny_checkpoint)
 
     async def scenario():
         batcher = server.Batcher(draft_fn, max_batch_size=2, max_wait_ms=20, max_queue=16, metrics=server.Metrics(2))
