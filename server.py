@@ -49,6 +49,7 @@ class ServerSettings:
     max_wait_ms: float = 2.0
     max_queue: int = 256
     max_draft_tokens: int = 64
+    min_confidence: float = 0.0  # adaptive draft length for requests that do not choose; 0: always max_tokens
     cache_slots: int | None = None  # None: 2 * max_batch_size
     max_context: int | None = None  # None: the model's own limit (draft_model caps it at 4096)
     device: str = "auto"
@@ -79,6 +80,13 @@ def draft_request_model(max_draft_tokens: int) -> type[BaseModel]:
         )
         return_logprobs: StrictBool = Field(
             default=False, description="Also return the drafter's log-probability of each draft token."
+        )
+        min_confidence: float | None = Field(
+            default=None,
+            ge=0.0,
+            le=1.0,
+            description="Adaptive draft length: stop after a draft token whose probability is below this "
+            "(that token is still returned). Default: the server's --min-confidence.",
         )
 
     return DraftRequest
@@ -201,12 +209,14 @@ async def draft_unless_client_leaves(future: asyncio.Future, request: fastapi.Re
 class PendingDraft:
     token_ids: list[int]
     max_tokens: int
+    min_confidence: float
     return_logprobs: bool
     future: asyncio.Future = field(repr=False)
 
 
-# draft_fn(batch, max_tokens, return_logprobs) -> one Draft per row; draft_model.draft_batch bound to a model.
-DraftFn = Callable[[list[list[int]], list[int], bool], list[draft_model.Draft]]
+# draft_fn(batch, max_tokens, min_confidence, return_logprobs) -> one Draft per row: draft_model.draft_batch
+# bound to a model, with one max_tokens and min_confidence per row.
+DraftFn = Callable[[list[list[int]], list[int], list[float], bool], list[draft_model.Draft]]
 
 
 class Batcher:
@@ -240,10 +250,10 @@ class Batcher:
             await asyncio.gather(self.task, return_exceptions=True)
         self.worker.shutdown(wait=True)
 
-    def submit(self, token_ids: list[int], max_tokens: int, return_logprobs: bool) -> asyncio.Future:
+    def submit(self, token_ids: list[int], max_tokens: int, min_confidence: float, return_logprobs: bool) -> asyncio.Future:
         if not self.accepting:
             raise Unavailable("the server is shutting down")
-        pending = PendingDraft(token_ids, max_tokens, return_logprobs, asyncio.get_running_loop().create_future())
+        pending = PendingDraft(token_ids, max_tokens, min_confidence, return_logprobs, asyncio.get_running_loop().create_future())
         try:
             self.queue.put_nowait(pending)
         except asyncio.QueueFull:
@@ -286,8 +296,9 @@ class Batcher:
     async def _draft(self, batch: list[PendingDraft]) -> None:
         prompts = [pending.token_ids for pending in batch]
         max_tokens = [pending.max_tokens for pending in batch]
+        min_confidence = [pending.min_confidence for pending in batch]
         want_logprobs = any(pending.return_logprobs for pending in batch)
-        call = functools.partial(self.draft_fn, prompts, max_tokens, want_logprobs)
+        call = functools.partial(self.draft_fn, prompts, max_tokens, min_confidence, want_logprobs)
         started = time.perf_counter()
         try:
             drafts = await asyncio.get_running_loop().run_in_executor(self.worker, call)
@@ -428,8 +439,8 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
         await asyncio.to_thread(draft_model.draft_batch, drafter, [[0]], max_tokens=1)
         load_seconds = time.perf_counter() - started
 
-        def draft_fn(batch: list[list[int]], max_tokens: list[int], return_logprobs: bool) -> list[draft_model.Draft]:
-            return draft_model.draft_batch(drafter, batch, max_tokens=max_tokens, return_logprobs=return_logprobs)
+        def draft_fn(batch: list[list[int]], max_tokens: list[int], min_confidence: list[float], return_logprobs: bool) -> list[draft_model.Draft]:
+            return draft_model.draft_batch(drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence)
 
         batcher = Batcher(draft_fn, settings.max_batch_size, settings.max_wait_ms, settings.max_queue, metrics)
         state.update(drafter=drafter, batcher=batcher)
@@ -466,7 +477,8 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
         if problem:
             raise fastapi.HTTPException(400, problem)
         try:
-            future = state["batcher"].submit(request.token_ids, request.max_tokens, request.return_logprobs)
+            min_confidence = settings.min_confidence if request.min_confidence is None else request.min_confidence
+            future = state["batcher"].submit(request.token_ids, request.max_tokens, min_confidence, request.return_logprobs)
         except Unavailable as reason:
             raise fastapi.HTTPException(
                 503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s", {"Retry-After": str(RETRY_AFTER_SECONDS)}
@@ -585,6 +597,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keep the module docstring's layout and show every flag's default."""
 
@@ -603,6 +622,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-draft-tokens", type=positive_int, default=64, help="largest max_tokens a request may ask"
+    )
+    parser.add_argument(
+        "--min-confidence",
+        type=probability,
+        default=0.0,
+        help="adaptive draft length for requests that do not set min_confidence: stop after a draft token whose "
+        "probability is below this (0: always max_tokens)",
     )
     parser.add_argument(
         "--cache-slots",
@@ -686,6 +712,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
         max_draft_tokens=args.max_draft_tokens,
+        min_confidence=args.min_confidence,
         cache_slots=args.cache_slots,
         max_context=args.max_context,
         device=args.device,

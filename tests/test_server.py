@@ -208,6 +208,16 @@ def test_logprobs_match_the_drafter(client: httpx.Client, reference):
     assert body["logprobs"] == pytest.approx(expected.logprobs, abs=1e-4)
 
 
+def test_min_confidence_shortens_drafts_and_is_validated(client: httpx.Client, reference):
+    tokens = prompt(60, seed=950)
+    sure_only = client.post("/draft", json={"token_ids": tokens, "max_tokens": 16, "min_confidence": 1.0})
+    assert sure_only.json()["draft_token_ids"] == reference(tokens, 16)[:1]  # no token is certain: stop after one
+    unlimited = client.post("/draft", json={"token_ids": tokens, "max_tokens": 16, "min_confidence": 0})
+    assert unlimited.json()["draft_token_ids"] == reference(tokens, 16)
+    refused = client.post("/draft", json={"token_ids": tokens, "min_confidence": 1.5})
+    assert refused.status_code == 422 and "min_confidence" in refused.json()["detail"]
+
+
 def test_follow_up_request_reuses_the_cached_prefix(client: httpx.Client, reference):
     first = prompt(120, seed=11)
     first_body = client.post("/draft", json={"token_ids": first, "max_tokens": 8}).json()
@@ -466,7 +476,9 @@ def test_sigterm_under_load_finishes_queued_requests_and_exits_0(repo_root, tiny
 def in_process_drafting(model_dir: Path) -> server.DraftFn:
     """The draft function the server's batcher calls, on an fp32 drafter in this process."""
     drafter = draft_model.load_model(model_dir, "cpu", "float32", cache_slots=8)
-    return lambda batch, max_tokens, return_logprobs: draft_model.draft_batch(drafter, batch, max_tokens, return_logprobs)
+    return lambda batch, max_tokens, min_confidence, return_logprobs: draft_model.draft_batch(
+        drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence
+    )
 
 
 def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, reference):
@@ -476,9 +488,9 @@ def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, referenc
     async def scenario():
         batcher = server.Batcher(draft_fn, max_batch_size=4, max_wait_ms=50, max_queue=8, metrics=server.Metrics(4))
         batcher.start()
-        poisoned = [batcher.submit([1, 2, 999], 4, False), batcher.submit([1, 2, 3], 4, False)]
+        poisoned = [batcher.submit([1, 2, 999], 4, 0.0, False), batcher.submit([1, 2, 3], 4, 0.0, False)]
         failures = await asyncio.gather(*poisoned, return_exceptions=True)
-        healthy = await batcher.submit([1, 2, 3], 4, False)
+        healthy = await batcher.submit([1, 2, 3], 4, 0.0, False)
         await batcher.stop()
         return failures, healthy, batcher.metrics
 
@@ -496,12 +508,12 @@ def test_cancelled_requests_are_skipped_and_stop_drains_the_queue(tiny_checkpoin
     async def scenario():
         batcher = server.Batcher(draft_fn, max_batch_size=2, max_wait_ms=20, max_queue=16, metrics=server.Metrics(2))
         batcher.start()
-        futures = [batcher.submit(prompt(30, seed=i), 8, False) for i in range(9)]
+        futures = [batcher.submit(prompt(30, seed=i), 8, 0.0, False) for i in range(9)]
         futures[1].cancel()  # a client that hung up while its request was queued
         futures[4].cancel()
         await batcher.stop()  # must answer everything still queued before returning
         with pytest.raises(server.Unavailable, match="shutting down"):
-            batcher.submit([1], 1, False)
+            batcher.submit([1], 1, 0.0, False)
         return futures
 
     futures = asyncio.run(scenario())
