@@ -14,6 +14,7 @@ a slot is matched to a request by token equality, and KV beyond the matched pref
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -223,6 +224,27 @@ def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, 
 
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts
 INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x slower on these CPUs
+# The kernel is a matrix-vector one: its cost grows with every row (27 ms for 2000 rows of a 512x2048
+# layer, against 2 ms dense in bf16). From this many rows (a prefill), unpacking the layer to bf16 and
+# one dense matmul is faster; unpacking costs about what the kernel spends on 150 rows.
+DENSE_PREFILL_ROWS = 256
+
+
+@functools.cache
+def kernel_layout_is_known() -> bool:
+    """Does the kernel pack weights the way Int4Linear.dense_weight reads them? Its layout is PyTorch's
+    internal business, so check once per process on known values rather than trust it."""
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, device="cpu", generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    return packed.shape == (128, 32) and torch.equal(_unpack_kernel_layout(packed, 128, 64), q)
+
+
+def _unpack_kernel_layout(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The 4-bit values (N, K) of the CPU kernel's uint8 (N, K/2) layout: each block of 64 output rows is
+    stored as (K, 32) bytes, the low nibble holding rows 0..31 of the block and the high nibble rows 32..63."""
+    blocks = packed.view(out_features // 64, in_features, 32)
+    values = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # (N/64, K, 64)
+    return values.permute(0, 2, 1).reshape(out_features, in_features)
 
 
 class Int4Linear(nn.Module):
@@ -235,6 +257,7 @@ class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.dense_prefill = out_features % 64 == 0 and kernel_layout_is_known()
         self.register_buffer("packed_weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_offsets", torch.empty(in_features // group_size, out_features, 2, dtype=INT4_KERNEL_DTYPE))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=INT4_KERNEL_DTYPE)) if bias else None
@@ -260,9 +283,19 @@ class Int4Linear(nn.Module):
             return "act-order g_idx reorders groups"
         return None
 
+    def dense_weight(self) -> torch.Tensor:
+        """The (N, K) bf16 weight the kernel multiplies by: (q - 8) * scale + offset, per group."""
+        q = _unpack_kernel_layout(self.packed_weight, self.out_features, self.in_features)
+        q = q.view(self.out_features, -1, self.group_size).to(INT4_KERNEL_DTYPE)  # (N, K/G, G)
+        scales, offsets = (t.t()[..., None] for t in self.scales_and_offsets.unbind(dim=-1))  # (N, K/G, 1)
+        return ((q - 8) * scales + offsets).view(self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_offsets)
+        if self.dense_prefill and flat.shape[0] >= DENSE_PREFILL_ROWS:
+            out = flat @ self.dense_weight().t()
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_offsets)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 

@@ -420,6 +420,23 @@ def test_int4_kernel_layer_computes_the_gptq_weights():
     assert error < 2e-2, f"relative error {error:.4f}: the layout conversion is wrong, not just bf16 rounding"
 
 
+def test_long_prefills_unpack_the_int4_layer_to_the_same_weights():
+    """The kernel's packed layout is PyTorch-internal: the check that reads it must hold on this torch."""
+    assert draft_model.kernel_layout_is_known()
+    generator = torch.Generator().manual_seed(29)
+    out_features, in_features, group_size = 128, 256, 64
+    gptq = draft_model.rtn_quantize(torch.randn(out_features, in_features, generator=generator), group_size, sym=False)
+    layer = draft_model.Int4Linear(in_features, out_features, group_size, bias=False)
+    layer.load_state_dict(draft_model.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
+    assert layer.dense_prefill
+    rows = torch.randn(draft_model.DENSE_PREFILL_ROWS, in_features, generator=generator).bfloat16()
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.packed_weight, group_size, layer.scales_and_offsets)
+    dense = layer(rows)  # enough rows to take the unpacked path
+    assert (dense.float() - kernel.float()).abs().max() / kernel.float().abs().max() < 1e-2
+    expected = draft_model.gptq_dequantize(**gptq)
+    assert (layer.dense_weight().float() - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 scales
+
+
 def test_packed_path_is_the_cpu_default_and_drafts_like_dense(gptq_package):
     hf_model, directory = gptq_package
     packed = draft_model.load_model(directory, cache_slots=4)
