@@ -962,7 +962,8 @@ def draft_batch(
     A row stops after drafting a stop token (default: the model's eos ids), at the context limit, or
     after drafting a token whose probability is below its `min_confidence` (adaptive draft length:
     that token is still returned, since verifying one more token costs the target almost nothing).
-    Rows never influence each other's drafts; prefixes already in the cache are not recomputed.
+    Prefixes already in the cache are not recomputed. In fp32 a row's draft does not depend on the
+    rest of its batch nor on the cache; in bf16 (the packed INT4 path) a near-tie can flip with them.
     """
     rows = [list(row) for row in batch]
     limits, thresholds = _per_row(max_tokens, len(rows), "max_tokens"), _per_row(min_confidence, len(rows), "min_confidence")
