@@ -698,6 +698,7 @@ def _resolve_runtime(
     blocker = (
         "the model is not GPTQ-quantized" if quant is None
         else f"the INT4 kernel runs on cpu, not {device.type}" if device.type != "cpu"
+        else f"torch {torch.__version__} has no CPU INT4 kernel" if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
         else f"the INT4 kernel needs bfloat16 activations, not {dtype}" if dtype not in (None, INT4_KERNEL_DTYPE)
         else None
     )
