@@ -2,7 +2,8 @@
 -> LoRA -> model package, plus the architecture record of what was made and measured.
 
 Stages (each one an evidence script, called with the flags the config gives; its exact command line is
-recorded): prompts (prepare_prompts.py), aya (add_aya.py, when the config has an "aya" section), data
+recorded): prompts (prepare_prompts.py), aya (add_aya.py, when the config has an "aya" section), magpie
+(magpie_prompts.py: prompts the teacher writes itself, when the config has a "magpie" section), data
 (gen_data.py), distill (train_drafter.py; under torchrun when train.nproc_per_node > 1), gptq
 (gptq_drafter.py), lora (lora_after_gptq.py), eval_data (gen_data.py on --eval-prompts, a
 measurement-only set such as MT-bench, when given). Then the package is copied to --out, loaded strictly
@@ -45,7 +46,7 @@ import torch
 import draft_model
 from evidence import common
 
-STAGES = ("prompts", "aya", "data", "distill", "gptq", "lora", "eval_data")
+STAGES = ("prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data")
 RECORD_KEY = "evidence_pipeline"
 
 
@@ -155,30 +156,30 @@ class Pipeline:
 
     def run(self) -> dict:
         config, k = self.config, str(self.config["k"])
-        prompts_cfg, aya_cfg = config["prompts"], config.get("aya")
-        base_prompts = self.path("prompts_base.jsonl" if aya_cfg else "prompts.jsonl")
-        prompts = self.path("prompts.jsonl")
+        prompts_cfg, aya_cfg, magpie_cfg = config["prompts"], config.get("aya"), config.get("magpie")
+        template = flags({key: prompts_cfg.get(key) for key in ("enable_thinking", "max_prompt_tokens")})
+        teacher = model_flags("teacher", config.get("teacher"), self.args.teacher, "teacher")
+        steps = ["base"] + ["aya"] * bool(aya_cfg) + ["magpie"] * bool(magpie_cfg)  # each prompt stage extends the last
+        written = [self.path(f"prompts_{step}.jsonl") for step in steps[:-1]] + [self.path("prompts.jsonl")]
         self.run_stage(
             "prompts",
             "prepare_prompts",
-            [*self.source_flags(), *flags(prompts_cfg), "--out", str(base_prompts)],
-            [base_prompts],
+            [*self.source_flags(), *flags(prompts_cfg), "--out", str(written[0])],
+            [written[0]],
         )
         if aya_cfg:
-            template = flags({key: prompts_cfg.get(key) for key in ("enable_thinking", "max_prompt_tokens")})
-            aya_argv = [
-                "--prompts",
-                str(base_prompts),
-                *self.source_flags(),
-                *template,
-                *flags(aya_cfg),
-                "--out",
-                str(prompts),
-            ]
-            self.run_stage("aya", "add_aya", aya_argv, [prompts])
+            aya_argv = ["--prompts", str(written[0]), *self.source_flags(), *template, *flags(aya_cfg), "--out", str(written[1])]
+            self.run_stage("aya", "add_aya", aya_argv, [written[1]])
+        if magpie_cfg:
+            tokenizer = model_flags("tokenizer", config.get("tokenizer") or config.get("teacher"), self.args.tokenizer, "tokenizer")
+            exclude = ["--exclude", str(self.args.eval_prompts)] if self.args.eval_prompts else []
+            magpie_argv = ["--prompts", str(written[-2]), *exclude, *teacher, *tokenizer, *template, *flags(magpie_cfg), "--out", str(written[-1])]
+            self.run_stage("magpie", "magpie_prompts", magpie_argv, [written[-1]])
+        prompts = written[-1]
+        if self.args.eval_prompts:
+            check_disjoint(prompts, self.args.eval_prompts)
 
         data = self.path("data")
-        teacher = model_flags("teacher", config.get("teacher"), self.args.teacher, "teacher")
         self.run_stage(
             "data",
             "gen_data",
@@ -217,7 +218,6 @@ class Pipeline:
         self.run_stage("lora", "lora_after_gptq", lora_argv, [package / draft_model.PACKAGE_LORA_WEIGHTS])
 
         if self.args.eval_prompts:  # last: nothing trained depends on it
-            check_disjoint(prompts, self.args.eval_prompts)
             eval_data = self.path("eval_data")
             eval_argv = [
                 "--prompts",
@@ -285,12 +285,15 @@ class Pipeline:
         prompt_counts = dict(reports["prompts"]["written"])
         if "aya" in reports:
             prompt_counts["aya"] = reports["aya"]["added"]
+        if "magpie" in reports:
+            prompt_counts["magpie"] = reports["magpie"]["added"]
         return {
             "name": config["name"], "config": config.get("_config_file"), "k": config["k"],
             "base_model": role("base", self.args.base), "target_model": role("teacher", self.args.teacher),
             "tokenizer": role("tokenizer", self.args.tokenizer) or config.get("teacher"),
             "data": {"prompts_per_source": prompt_counts, "enable_thinking": reports["prompts"]["enable_thinking"],
-                     "teacher_data": reports["data"], "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})}},
+                     "teacher_data": reports["data"],
+                     "magpie": reports.get("magpie", {}).get("settings"), "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})}},
             "recipe": {"distillation": distill["settings"], "quantization": gptq["settings"] | {"bits": 4, "store_dtype": gptq["store_dtype"],
                        "calibration_sequences": gptq["calibration_sequences"]}, "lora": lora["lora"] | {"settings": lora["settings"]}},
             "holdout_tau": {
