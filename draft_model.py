@@ -941,12 +941,30 @@ class Drafter:
 
 
 class Draft(list):
-    """One row's greedy draft tokens (compares equal to a plain list), plus what the call reused."""
+    """One row's draft tokens (compares equal to a plain list), plus where they came from."""
 
-    def __init__(self, tokens: list[int], cached_tokens: int, logprobs: list[float] | None = None):
+    def __init__(self, tokens: list[int], cached_tokens: int, logprobs: list[float] | None = None, source: str = "model"):
         super().__init__(tokens)
         self.cached_tokens = cached_tokens  # prompt tokens whose KV came from the prefix cache
-        self.logprobs = logprobs  # the drafter's log-probability of each draft token
+        self.logprobs = logprobs  # the drafter's log-probability of each draft token (None for a lookup draft)
+        self.source = source  # "model" (greedy decoding) or "lookup" (copied from the row's own tokens)
+
+
+LOOKUP_MAX_MATCH = 8  # the longest suffix prompt lookup tries to find
+
+
+def prompt_lookup(tokens: Sequence[int], max_tokens: int, min_match: int, max_match: int = LOOKUP_MAX_MATCH) -> list[int]:
+    """Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n tokens, for the
+    longest n from max_match down to min_match that occurs, and return up to max_tokens of what followed
+    it; [] if no such n-gram recurs. Uses nothing but `tokens`."""
+    sequence = torch.as_tensor(list(tokens), dtype=torch.long)  # [L]
+    for n in range(min(max_match, len(sequence) - 1), min_match - 1, -1):
+        windows = sequence[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a token after it
+        starts = (windows == sequence[-n:]).all(dim=1).nonzero()
+        if len(starts):
+            start = int(starts[-1]) + n
+            return sequence[start : start + max_tokens].tolist()
+    return []
 
 
 @torch.inference_mode()
@@ -957,6 +975,7 @@ def draft_batch(
     return_logprobs: bool = False,
     stop_token_ids: Sequence[int] | None = None,
     min_confidence: float | Sequence[float] = 0.0,
+    lookup_min_match: int | None | Sequence[int | None] = None,
 ) -> list[Draft]:
     """Greedy drafts for each sequence of `batch`, up to `max_tokens` each (one value or one per row).
 
@@ -965,19 +984,36 @@ def draft_batch(
     that token is still returned, since verifying one more token costs the target almost nothing).
     Prefixes already in the cache are not recomputed. In fp32 a row's draft does not depend on the
     rest of its batch nor on the cache; in bf16 (the packed INT4 path) a near-tie can flip with them.
+
+    Hybrid drafting: a row with a `lookup_min_match` whose own tokens end in an n-gram of at least that
+    many tokens seen earlier in the row gets what followed it (prompt_lookup; source "lookup", no
+    logprobs) instead of a model draft: long repeats (code, quotes, edits) are copied better than guessed.
     """
     rows = [list(row) for row in batch]
     limits, thresholds = _per_row(max_tokens, len(rows), "max_tokens"), _per_row(min_confidence, len(rows), "min_confidence")
-    _check_batch(drafter, rows, limits, thresholds)
+    min_matches = _per_row(lookup_min_match, len(rows), "lookup_min_match")
+    _check_batch(drafter, rows, limits, thresholds, min_matches)
     budgets = [min(limit, drafter.max_context - len(row)) for row, limit in zip(rows, limits)]
     stop_ids = drafter.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+    drafts: list[Draft | None] = [None] * len(rows)
+    for i, (row, budget, min_match) in enumerate(zip(rows, budgets, min_matches)):
+        copied = prompt_lookup(row, budget, min_match) if min_match and budget else []
+        if copied:
+            drafts[i] = Draft(_through_first_stop(copied, stop_ids), cached_tokens=0, source="lookup")
+    modelled = [i for i, draft in enumerate(drafts) if draft is None]
     per_call = drafter.cache.num_slots // 2  # each row may need a fresh slot beside the one it matched
-    drafts = []
     with drafter.lock:
-        for start in range(0, len(rows), per_call):
-            end = start + per_call
-            drafts += _draft_rows(drafter, rows[start:end], budgets[start:end], thresholds[start:end], stop_ids, return_logprobs)
+        for start in range(0, len(modelled), per_call):
+            part = modelled[start : start + per_call]
+            made = _draft_rows(drafter, [rows[i] for i in part], [budgets[i] for i in part], [thresholds[i] for i in part], stop_ids, return_logprobs)
+            for i, draft in zip(part, made):
+                drafts[i] = draft
     return drafts
+
+
+def _through_first_stop(tokens: list[int], stop_ids: Sequence[int]) -> list[int]:
+    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    return tokens if stop is None else tokens[: stop + 1]
 
 
 def _per_row(value, n_rows: int, name: str) -> list:
@@ -987,8 +1023,8 @@ def _per_row(value, n_rows: int, name: str) -> list:
     return values
 
 
-def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int], thresholds: list[float]) -> None:
-    for i, (row, limit, threshold) in enumerate(zip(rows, limits, thresholds)):
+def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int], thresholds: list[float], min_matches: list[int | None]) -> None:
+    for i, (row, limit, threshold, min_match) in enumerate(zip(rows, limits, thresholds, min_matches)):
         if not row:
             raise ValueError(f"row {i}: empty token sequence; send at least one token id")
         if len(row) > drafter.max_context:
@@ -1003,6 +1039,8 @@ def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int], thr
             raise ValueError(f"row {i}: max_tokens must be a non-negative integer, got {limit!r}")
         if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
             raise ValueError(f"row {i}: min_confidence must be a probability in [0, 1], got {threshold!r}")
+        if min_match is not None and not (type(min_match) is int and 0 <= min_match <= LOOKUP_MAX_MATCH):
+            raise ValueError(f"row {i}: lookup_min_match must be None or 0 (off) or an integer in 1..{LOOKUP_MAX_MATCH}, got {min_match!r}")
 
 
 def _draft_rows(

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import fastapi
 import prometheus_client
@@ -50,6 +51,7 @@ class ServerSettings:
     max_queue: int = 256
     max_draft_tokens: int = 64
     min_confidence: float = 0.0  # adaptive draft length for requests that do not choose; 0: always max_tokens
+    lookup_min_match: int = 0  # hybrid drafting for requests that do not choose; 0: always the model
     cache_slots: int | None = None  # None: 2 * max_batch_size
     max_context: int | None = None  # None: the model's own limit (draft_model caps it at 4096)
     device: str = "auto"
@@ -88,6 +90,14 @@ def draft_request_model(max_draft_tokens: int) -> type[BaseModel]:
             description="Adaptive draft length: stop after a draft token whose probability is below this "
             "(that token is still returned). Default: the server's --min-confidence.",
         )
+        lookup_min_match: StrictInt | None = Field(
+            default=None,
+            ge=0,
+            le=draft_model.LOOKUP_MAX_MATCH,
+            description="Hybrid drafting: when token_ids end in an n-gram of at least this many tokens that occurred "
+            "earlier in token_ids, return what followed it (source 'lookup') instead of a model draft; 0: off. "
+            "Default: the server's --lookup-min-match.",
+        )
 
     return DraftRequest
 
@@ -97,7 +107,12 @@ class DraftResponse(BaseModel):
         description="Greedy draft tokens; fewer than max_tokens at EOS or the context limit."
     )
     cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
-    logprobs: list[float] | None = Field(description="Log-probability of each draft token, if asked for.")
+    logprobs: list[float] | None = Field(
+        description="Log-probability of each draft token, if asked for (null for a lookup draft: no model ran)."
+    )
+    source: Literal["model", "lookup"] = Field(
+        description="'model': the drafter's greedy tokens; 'lookup': copied from token_ids (hybrid drafting)."
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -158,6 +173,9 @@ class Metrics:
             "draft_server_cached_token_ratio", "cached_tokens / prompt_tokens since start", registry=r
         )
         self.draft_tokens = prometheus_client.Counter("draft_server_draft_tokens", "Draft tokens returned", registry=r)
+        self.lookup_drafts = prometheus_client.Counter(
+            "draft_server_lookup_drafts", "Drafts copied from the request's own tokens (hybrid drafting)", registry=r
+        )
         self.queue_depth = prometheus_client.Gauge(
             "draft_server_queue_depth", "Requests waiting for the batcher", registry=r
         )
@@ -174,6 +192,7 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
         self.draft_tokens.inc(sum(len(draft) for draft in drafts))
+        self.lookup_drafts.inc(sum(draft.source == "lookup" for draft in drafts))
         self.total_prompt_tokens += prompt_tokens
         self.total_cached_tokens += cached_tokens
         self.cached_ratio.set(self.total_cached_tokens / self.total_prompt_tokens)
@@ -210,13 +229,14 @@ class PendingDraft:
     token_ids: list[int]
     max_tokens: int
     min_confidence: float
+    lookup_min_match: int
     return_logprobs: bool
     future: asyncio.Future = field(repr=False)
 
 
-# draft_fn(batch, max_tokens, min_confidence, return_logprobs) -> one Draft per row: draft_model.draft_batch
-# bound to a model, with one max_tokens and min_confidence per row.
-DraftFn = Callable[[list[list[int]], list[int], list[float], bool], list[draft_model.Draft]]
+# draft_fn(batch, max_tokens, min_confidence, lookup_min_match, return_logprobs) -> one Draft per row:
+# draft_model.draft_batch bound to a model, with one max_tokens, min_confidence and lookup_min_match per row.
+DraftFn = Callable[[list[list[int]], list[int], list[float], list[int], bool], list[draft_model.Draft]]
 
 
 class Batcher:
@@ -250,10 +270,13 @@ class Batcher:
             await asyncio.gather(self.task, return_exceptions=True)
         self.worker.shutdown(wait=True)
 
-    def submit(self, token_ids: list[int], max_tokens: int, min_confidence: float, return_logprobs: bool) -> asyncio.Future:
+    def submit(
+        self, token_ids: list[int], max_tokens: int, min_confidence: float, lookup_min_match: int, return_logprobs: bool
+    ) -> asyncio.Future:
         if not self.accepting:
             raise Unavailable("the server is shutting down")
-        pending = PendingDraft(token_ids, max_tokens, min_confidence, return_logprobs, asyncio.get_running_loop().create_future())
+        future = asyncio.get_running_loop().create_future()
+        pending = PendingDraft(token_ids, max_tokens, min_confidence, lookup_min_match, return_logprobs, future)
         try:
             self.queue.put_nowait(pending)
         except asyncio.QueueFull:
@@ -297,8 +320,9 @@ class Batcher:
         prompts = [pending.token_ids for pending in batch]
         max_tokens = [pending.max_tokens for pending in batch]
         min_confidence = [pending.min_confidence for pending in batch]
+        lookup_min_match = [pending.lookup_min_match for pending in batch]
         want_logprobs = any(pending.return_logprobs for pending in batch)
-        call = functools.partial(self.draft_fn, prompts, max_tokens, min_confidence, want_logprobs)
+        call = functools.partial(self.draft_fn, prompts, max_tokens, min_confidence, lookup_min_match, want_logprobs)
         started = time.perf_counter()
         try:
             drafts = await asyncio.get_running_loop().run_in_executor(self.worker, call)
@@ -439,8 +463,12 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
         await asyncio.to_thread(draft_model.draft_batch, drafter, [[0]], max_tokens=1)
         load_seconds = time.perf_counter() - started
 
-        def draft_fn(batch: list[list[int]], max_tokens: list[int], min_confidence: list[float], return_logprobs: bool) -> list[draft_model.Draft]:
-            return draft_model.draft_batch(drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence)
+        def draft_fn(
+            batch: list[list[int]], max_tokens: list[int], min_confidence: list[float], lookup_min_match: list[int], return_logprobs: bool
+        ) -> list[draft_model.Draft]:
+            return draft_model.draft_batch(
+                drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence, lookup_min_match=lookup_min_match
+            )
 
         batcher = Batcher(draft_fn, settings.max_batch_size, settings.max_wait_ms, settings.max_queue, metrics)
         state.update(drafter=drafter, batcher=batcher)
@@ -478,7 +506,8 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
             raise fastapi.HTTPException(400, problem)
         try:
             min_confidence = settings.min_confidence if request.min_confidence is None else request.min_confidence
-            future = state["batcher"].submit(request.token_ids, request.max_tokens, min_confidence, request.return_logprobs)
+            min_match = settings.lookup_min_match if request.lookup_min_match is None else request.lookup_min_match
+            future = state["batcher"].submit(request.token_ids, request.max_tokens, min_confidence, min_match, request.return_logprobs)
         except Unavailable as reason:
             raise fastapi.HTTPException(
                 503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s", {"Retry-After": str(RETRY_AFTER_SECONDS)}
@@ -492,7 +521,8 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
         return DraftResponse(
             draft_token_ids=list(result),
             cached_tokens=result.cached_tokens,
-            logprobs=list(result.logprobs) if request.return_logprobs else None,
+            logprobs=list(result.logprobs) if request.return_logprobs and result.logprobs is not None else None,
+            source=result.source,
         )
 
     @app.get("/health")
@@ -604,6 +634,13 @@ def probability(text: str) -> float:
     return value
 
 
+def lookup_match(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= draft_model.LOOKUP_MAX_MATCH:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or 1..{draft_model.LOOKUP_MAX_MATCH}, got {text}")
+    return value
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keep the module docstring's layout and show every flag's default."""
 
@@ -629,6 +666,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="adaptive draft length for requests that do not set min_confidence: stop after a draft token whose "
         "probability is below this (0: always max_tokens)",
+    )
+    parser.add_argument(
+        "--lookup-min-match",
+        type=lookup_match,
+        default=0,
+        help="hybrid drafting for requests that do not set lookup_min_match: when the request's tokens end in an "
+        f"n-gram of at least this many tokens (1..{draft_model.LOOKUP_MAX_MATCH}) seen earlier in them, return what "
+        "followed it instead of a model draft (0: off)",
     )
     parser.add_argument(
         "--cache-slots",
@@ -713,6 +758,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_queue=args.max_queue,
         max_draft_tokens=args.max_draft_tokens,
         min_confidence=args.min_confidence,
+        lookup_min_match=args.lookup_min_match,
         cache_slots=args.cache_slots,
         max_context=args.max_context,
         device=args.device,

@@ -492,6 +492,38 @@ def test_min_confidence_stops_a_row_after_its_first_unsure_token(qwen3):
         draft_model.draft_batch(drafter, [row], min_confidence=1.5)
 
 
+def naive_prompt_lookup(tokens: list[int], max_tokens: int, min_match: int, max_match: int) -> list[int]:
+    for n in range(min(max_match, len(tokens) - 1), min_match - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + max_tokens]
+    return []
+
+
+def test_prompt_lookup_finds_the_longest_latest_earlier_match():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        tokens = torch.randint(0, 3 + trial % 5, (1 + trial % 40,), generator=generator).tolist()  # small vocabularies repeat
+        for min_match in (1, 2, 4):
+            assert draft_model.prompt_lookup(tokens, 5, min_match) == naive_prompt_lookup(tokens, 5, min_match, draft_model.LOOKUP_MAX_MATCH)
+    assert draft_model.prompt_lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, 3) == [8, 1]  # the latest of two occurrences
+    assert draft_model.prompt_lookup([5, 6, 7, 5, 6], 4, 3) == []  # only a 2-token repeat
+
+
+def test_hybrid_rows_copy_repeats_and_the_rest_draft_as_before(qwen3):
+    hf_model, directory = qwen3
+    drafter = draft_model.load_model(directory, cache_slots=4)
+    plain, opening = random_rows([30, 20], seed=21)
+    repeating = opening + [1, 2] + opening[:5]
+    stop = opening[9]
+    hybrid = draft_model.draft_batch(drafter, [plain, repeating, repeating], max_tokens=6, lookup_min_match=[3, 3, 0], stop_token_ids=[stop])
+    assert hybrid[0] == draft_model.draft_batch(drafter, [plain], max_tokens=6, stop_token_ids=[stop])[0] and hybrid[0].source == "model"
+    assert hybrid[1] == opening[5:10] and hybrid[1].source == "lookup" and hybrid[1].logprobs is None  # through the stop token
+    assert hybrid[2] == reference_greedy(hf_model, repeating, 6)[: len(hybrid[2])] and hybrid[2].source == "model"
+    with pytest.raises(ValueError, match="lookup_min_match must be"):
+        draft_model.draft_batch(drafter, [plain], lookup_min_match=draft_model.LOOKUP_MAX_MATCH + 1)
+
+
 def test_rtn_quantize_stays_within_half_a_step_of_the_weights():
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(21))
     for sym in (True, False):

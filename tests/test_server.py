@@ -218,6 +218,20 @@ def test_min_confidence_shortens_drafts_and_is_validated(client: httpx.Client, r
     assert refused.status_code == 422 and "min_confidence" in refused.json()["detail"]
 
 
+def test_hybrid_drafting_copies_long_repeats_and_is_validated(client: httpx.Client, reference):
+    opening = prompt(40, seed=951)
+    repeating = opening + prompt(10, seed=952) + opening[:6]  # ends in a 6-token n-gram seen at the start
+    copied = client.post("/draft", json={"token_ids": repeating, "max_tokens": 8, "lookup_min_match": 4}).json()
+    assert copied["draft_token_ids"] == opening[6:14] and copied["source"] == "lookup"
+    modelled = client.post("/draft", json={"token_ids": repeating, "max_tokens": 8}).json()  # this server's default: off
+    assert modelled["draft_token_ids"] == reference(repeating, 8) and modelled["source"] == "model"
+    no_repeat = prompt(40, seed=953)
+    fallback = client.post("/draft", json={"token_ids": no_repeat, "max_tokens": 8, "lookup_min_match": 8}).json()
+    assert fallback["draft_token_ids"] == reference(no_repeat, 8) and fallback["source"] == "model"
+    refused = client.post("/draft", json={"token_ids": repeating, "lookup_min_match": 9})
+    assert refused.status_code == 422 and "lookup_min_match" in refused.json()["detail"]
+
+
 def test_follow_up_request_reuses_the_cached_prefix(client: httpx.Client, reference):
     first = prompt(120, seed=11)
     first_body = client.post("/draft", json={"token_ids": first, "max_tokens": 8}).json()
@@ -476,8 +490,8 @@ def test_sigterm_under_load_finishes_queued_requests_and_exits_0(repo_root, tiny
 def in_process_drafting(model_dir: Path) -> server.DraftFn:
     """The draft function the server's batcher calls, on an fp32 drafter in this process."""
     drafter = draft_model.load_model(model_dir, "cpu", "float32", cache_slots=8)
-    return lambda batch, max_tokens, min_confidence, return_logprobs: draft_model.draft_batch(
-        drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence
+    return lambda batch, max_tokens, min_confidence, lookup_min_match, return_logprobs: draft_model.draft_batch(
+        drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence, lookup_min_match=lookup_min_match
     )
 
 
@@ -488,9 +502,9 @@ def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, referenc
     async def scenario():
         batcher = server.Batcher(draft_fn, max_batch_size=4, max_wait_ms=50, max_queue=8, metrics=server.Metrics(4))
         batcher.start()
-        poisoned = [batcher.submit([1, 2, 999], 4, 0.0, False), batcher.submit([1, 2, 3], 4, 0.0, False)]
+        poisoned = [batcher.submit([1, 2, 999], 4, 0.0, 0, False), batcher.submit([1, 2, 3], 4, 0.0, 0, False)]
         failures = await asyncio.gather(*poisoned, return_exceptions=True)
-        healthy = await batcher.submit([1, 2, 3], 4, 0.0, False)
+        healthy = await batcher.submit([1, 2, 3], 4, 0.0, 0, False)
         await batcher.stop()
         return failures, healthy, batcher.metrics
 
@@ -508,12 +522,12 @@ def test_cancelled_requests_are_skipped_and_stop_drains_the_queue(tiny_checkpoin
     async def scenario():
         batcher = server.Batcher(draft_fn, max_batch_size=2, max_wait_ms=20, max_queue=16, metrics=server.Metrics(2))
         batcher.start()
-        futures = [batcher.submit(prompt(30, seed=i), 8, 0.0, False) for i in range(9)]
+        futures = [batcher.submit(prompt(30, seed=i), 8, 0.0, 0, False) for i in range(9)]
         futures[1].cancel()  # a client that hung up while its request was queued
         futures[4].cancel()
         await batcher.stop()  # must answer everything still queued before returning
         with pytest.raises(server.Unavailable, match="shutting down"):
-            batcher.submit([1], 1, 0.0, False)
+            batcher.submit([1], 1, 0.0, 0, False)
         return futures
 
     futures = asyncio.run(scenario())
