@@ -9,7 +9,8 @@
 # Environment -> server.py flag (unset or empty: the server's default; see `python server.py --help`):
 #   MODEL_DIR -> --model-dir (default ./model, relative to the repository)   HOST -> --host   PORT -> --port
 #   MAX_BATCH_SIZE -> --max-batch-size   MAX_WAIT_MS -> --max-wait-ms   MAX_QUEUE -> --max-queue
-#   MAX_DRAFT_TOKENS -> --max-draft-tokens   MIN_CONFIDENCE -> --min-confidence   CACHE_SLOTS -> --cache-slots   MAX_CONTEXT -> --max-context
+#   MAX_DRAFT_TOKENS -> --max-draft-tokens   MIN_CONFIDENCE -> --min-confidence   LOOKUP_MIN_MATCH -> --lookup-min-match
+#   CACHE_SLOTS -> --cache-slots   MAX_CONTEXT -> --max-context
 #   DEVICE -> --device   DTYPE -> --dtype   WEIGHTS -> --weights   THREADS -> --threads
 #   API_KEY_FILE -> --api-key-file   MAX_BODY_BYTES -> --max-body-bytes   LOG_LEVEL -> --log-level
 #   ACCESS_LOG=1 -> --access-log
@@ -30,6 +31,7 @@ add_flag --max-wait-ms "${MAX_WAIT_MS:-}"
 add_flag --max-queue "${MAX_QUEUE:-}"
 add_flag --max-draft-tokens "${MAX_DRAFT_TOKENS:-}"
 add_flag --min-confidence "${MIN_CONFIDENCE:-}"
+add_flag --lookup-min-match "${LOOKUP_MIN_MATCH:-}"
 add_flag --cache-slots "${CACHE_SLOTS:-}"
 add_flag --max-context "${MAX_CONTEXT:-}"
 add_flag --device "${DEVICE:-}"

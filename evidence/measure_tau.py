@@ -6,24 +6,32 @@ back to the commit point, and the loop repeats until --max-new-tokens or an end-
 tau = committed tokens / verify steps (bonus included). The same run also times the target alone
 (transformers greedy generate()), which is the reference output for --check and the tokens/s baseline.
 
-Drafters: a running draft server over HTTP (--server URL; each request is the previous one plus the
-accepted drafts plus the bonus, as the benchmark harness sends them), a model package or checkpoint in
-this process (--drafter DIR, through draft_model), and the prompt-lookup n-gram baseline
-(--baselines ngram: no model; the last n tokens are looked up earlier in the sequence and what followed
-them is proposed).
+Drafters, all measured in the same run against the same target-only reference:
+  --server URL     a running draft server over HTTP: each request is the previous one plus the accepted
+                   drafts plus the bonus, as the benchmark harness sends them
+  --drafter DIR    a model package or checkpoint in this process, through draft_model (--drafter-weights)
+  --hybrid N       also the same drafter with hybrid drafting (lookup_min_match N: a repeat of at least N
+                   tokens in the sequence is copied instead of drafted)
+  --baselines ngram      prompt lookup with no model (the last 1..3 tokens looked up earlier in the sequence)
+  --baselines assisted   transformers assisted generation (generate(assistant_model=...), k constant
+                   candidates, no confidence cut-off) with --assistant DIR (default --drafter) as the
+                   assistant in fp32: for greedy decoding its tau must equal ours for the same weights
+The last draft of a prompt asks for at most the tokens that can still be committed minus the bonus, as
+transformers does, so the two loops verify the same steps.
 
-Reads: the target (a transformers causal-LM directory), the drafter (server or directory), and a jsonl
-of prompts with `token_ids` per line (prepare_prompts.py's output; `prompt_ids` is accepted too).
-Writes: a table on stdout; with --json OUT, the report to OUT (atomically) and a log beside it.
+Prompts: a jsonl (--prompts) with `token_ids` (or `prompt_ids`) or chat `messages` per line, or the
+MT-bench question file (--mtbench question.jsonl: first turns, or --turns 2 for both, the second after
+the target's own greedy answer to the first). Messages are encoded with the chat template of --tokenizer
+(default: the target's directory), thinking off.
+
+Writes: a table on stdout; with --json OUT, the report to OUT (atomically) and a log beside it; with --plot
+PNG, the acceptance curves and tau of every drafter (matplotlib).
 Exit status: 0; 2 for a user error; 1 when --check finds a committed token that differs from the
 target's greedy output (each mismatch is logged with prompt index, position and both tokens).
 
-    python evidence/measure_tau.py --target TARGET_DIR --prompts WORK/prompts.jsonl \
-        --server http://127.0.0.1:8000 --k 16 --max-new-tokens 128 --limit 80 \
-        --baselines ngram --check --json OUT/tau.json
-
-Not yet: prompts as chat messages or the MT-bench question file, transformers assisted generation as a
-baseline, and the PNG plot.
+    python evidence/measure_tau.py --target TARGET_DIR --tokenizer TOKENIZER_DIR --mtbench question.jsonl \
+        --drafter model --hybrid 4 --baselines ngram assisted --k 16 --max-new-tokens 128 \
+        --check --json OUT/tau.json --plot OUT/tau.png
 """
 
 from __future__ import annotations
@@ -45,11 +53,14 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+import draft_model
 from evidence import common
+from evidence.prepare_prompts import encode, load_tokenizer
 from evidence.tau import load_any_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BASELINES = ("ngram",)
+BASELINES = ("ngram", "assisted")
+NGRAM_MAX = 3  # the n-gram baseline matches the last 1..3 tokens
 SERVER_TIMEOUT_S = 60
 
 # A drafter maps (the sequence so far, how many tokens at most) to its proposed continuation.
@@ -59,12 +70,13 @@ DraftFn = Callable[[list[int], int], list[int]]
 # ----------------------------------------------------------------------------------------------- drafters
 
 
-def server_drafter(client: httpx.Client) -> DraftFn:
+def server_drafter(client: httpx.Client, lookup_min_match: int = 0) -> DraftFn:
     """Drafts from a running draft server: POST /draft with the whole sequence, as the harness does."""
 
     def draft(tokens: list[int], max_tokens: int) -> list[int]:
+        body = {"token_ids": tokens, "max_tokens": max_tokens, "lookup_min_match": lookup_min_match}
         try:
-            response = client.post("/draft", json={"token_ids": tokens, "max_tokens": max_tokens})
+            response = client.post("/draft", json=body)
         except httpx.TransportError as error:
             raise common.UserError(f"draft server at {client.base_url} did not answer: {error}") from None
         if response.status_code != 200:
@@ -74,34 +86,25 @@ def server_drafter(client: httpx.Client) -> DraftFn:
     return draft
 
 
-def in_process_drafter(model_dir: Path) -> DraftFn:
-    """Drafts from a model package or checkpoint loaded in this process with draft_model."""
-    import draft_model
-
+def load_drafter(model_dir: Path, weights: str) -> draft_model.Drafter:
     try:
-        drafter = draft_model.load_model(model_dir, cache_slots=2)  # one sequence at a time: its slot is reused
+        return draft_model.load_model(model_dir, cache_slots=2, weights=weights)  # one sequence at a time: its slot is reused
     except draft_model.ModelLoadError as error:
         raise common.UserError(str(error)) from None
 
+
+def in_process_drafter(drafter: draft_model.Drafter, lookup_min_match: int = 0) -> DraftFn:
+    """Drafts from a model loaded in this process with draft_model."""
+
     def draft(tokens: list[int], max_tokens: int) -> list[int]:
-        return list(draft_model.draft_batch(drafter, [tokens], max_tokens=max_tokens)[0])
+        return list(draft_model.draft_batch(drafter, [tokens], max_tokens=max_tokens, lookup_min_match=lookup_min_match)[0])
 
     return draft
 
 
-def ngram_drafter(max_ngram: int = 3) -> DraftFn:
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n
-    first) and propose the tokens that followed it."""
-
-    def draft(tokens: list[int], max_tokens: int) -> list[int]:
-        for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # earlier occurrences only, latest first
-                if tokens[start : start + n] == suffix:
-                    return tokens[start + n : start + n + max_tokens]
-        return []
-
-    return draft
+def ngram_drafter(tokens: list[int], max_tokens: int) -> list[int]:
+    """Prompt lookup with no model: what followed the latest earlier occurrence of the last 3, 2 or 1 tokens."""
+    return draft_model.prompt_lookup(tokens, max_tokens, min_match=1, max_match=NGRAM_MAX)
 
 
 # ----------------------------------------------------------------------------------------------- target
@@ -153,10 +156,12 @@ def speculative_generate(
     sequence = list(prompt)
     while len(sequence) - len(prompt) < max_new_tokens:
         remaining = max_new_tokens - (len(sequence) - len(prompt))
-        draft_started = time.perf_counter()
-        proposal = draft(sequence, min(k, remaining))[:k]
-        run.draft_seconds.append(time.perf_counter() - draft_started)
-        run.drafted_per_call.append(len(proposal))
+        proposal = []
+        if remaining > 1:  # the bonus always commits one token: drafting the last one is wasted (transformers agrees)
+            draft_started = time.perf_counter()
+            proposal = draft(sequence, min(k, remaining - 1))[:k]
+            run.draft_seconds.append(time.perf_counter() - draft_started)
+            run.drafted_per_call.append(len(proposal))
 
         verify_started = time.perf_counter()
         target_tokens = verify(target, cache, sequence[-1], proposal)
@@ -197,6 +202,31 @@ def target_greedy(target: torch.nn.Module, prompt: list[int], max_new_tokens: in
     return output[0, len(prompt) :].tolist()
 
 
+@torch.inference_mode()
+def assisted_generate(target: torch.nn.Module, assistant: torch.nn.Module, prompt: list[int], k: int, max_new_tokens: int, eos_ids: set[int], run: SpeculativeRun) -> None:
+    """transformers assisted generation on one prompt: k candidates per step from `assistant`, greedy; the
+    verify steps are the target's forward calls (its first one verifies the first candidates with the prompt)."""
+    assistant.generation_config.num_assistant_tokens = k
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0  # no early stop: k candidates, like ours
+    calls = [0]
+    hook = target.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    stop = sorted(eos_ids) or None
+    started = time.perf_counter()
+    try:
+        output = target.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), assistant_model=assistant,
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=stop[0] if stop else None,
+        )
+    finally:
+        hook.remove()
+    continuation = output[0, len(prompt) :].tolist()
+    run.total_seconds += time.perf_counter() - started
+    run.committed += len(continuation)
+    run.verify_steps += calls[0]
+    run.outputs.append(continuation)
+
+
 def eos_token_ids(target: torch.nn.Module) -> set[int]:
     eos = target.generation_config.eos_token_id
     if eos is None:
@@ -217,29 +247,35 @@ def first_mismatch(committed: list[int], reference: list[int]) -> tuple[int, int
     return None
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile (values need not be sorted)."""
+def percentile(values: Sequence[float], fraction: float) -> float | None:
+    """Nearest-rank percentile (values need not be sorted); None for no values."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else None
 
 
 def summarize(name: str, run: SpeculativeRun, greedy_tokens_per_s: float, mismatches: list[dict] | None) -> dict:
-    tokens_per_s = run.committed / run.total_seconds if run.total_seconds else float("nan")
+    """The report of one drafter; what a loop did not observe (transformers' own drafts) is None."""
+    tokens_per_s = run.committed / run.total_seconds
+    drafted = bool(run.drafted_per_call)
     return {
         "drafter": name,
-        "tau": run.committed / run.verify_steps if run.verify_steps else float("nan"),
+        "tau": run.committed / run.verify_steps,
         "committed_tokens": run.committed,
         "verify_steps": run.verify_steps,
         "acceptance_by_position": [a / p for a, p in zip(run.accepted_at, run.proposed_at)],
-        "mean_draft_tokens_per_call": statistics.fmean(run.drafted_per_call) if run.drafted_per_call else float("nan"),
-        "draft_latency_ms": {"p50": 1000 * percentile(run.draft_seconds, 0.50), "p95": 1000 * percentile(run.draft_seconds, 0.95)},
-        "draft_seconds": sum(run.draft_seconds),
-        "verify_seconds": run.verify_seconds,
+        "mean_draft_tokens_per_call": statistics.fmean(run.drafted_per_call) if drafted else None,
+        "draft_latency_ms": {"p50": 1000 * percentile(run.draft_seconds, 0.50), "p95": 1000 * percentile(run.draft_seconds, 0.95)} if drafted else None,
+        "draft_seconds": sum(run.draft_seconds) if drafted else None,
+        "verify_seconds": run.verify_seconds if drafted else None,
         "tokens_per_s": tokens_per_s,
         "speedup_vs_target_greedy": tokens_per_s / greedy_tokens_per_s,
         "check": "not run" if mismatches is None else ("passed" if not mismatches else "FAILED"),
         "mismatches": mismatches or [],
     }
+
+
+def cell(value: float | None, width: int, decimals: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{decimals}f}"
 
 
 def print_table(report: dict) -> None:
@@ -250,48 +286,98 @@ def print_table(report: dict) -> None:
     print(header)
     print("-" * len(header))
     for run in report["runs"]:
-        latency = run["draft_latency_ms"]
+        latency = run["draft_latency_ms"] or {"p50": None, "p95": None}
         print(
-            f"{run['drafter'][-40:]:<40} {run['tau']:>6.3f} {run['mean_draft_tokens_per_call']:>10.2f} {latency['p50']:>8.2f} "
-            f"{latency['p95']:>8.2f} {run['verify_seconds']:>9.2f} {run['tokens_per_s']:>8.1f} {run['speedup_vs_target_greedy']:>8.2f} {run['check']:>8}"
+            f"{run['drafter'][-40:]:<40} {run['tau']:>6.3f} {cell(run['mean_draft_tokens_per_call'], 10, 2)} {cell(latency['p50'], 8, 2)} "
+            f"{cell(latency['p95'], 8, 2)} {cell(run['verify_seconds'], 9, 2)} {run['tokens_per_s']:>8.1f} {run['speedup_vs_target_greedy']:>8.2f} {run['check']:>8}"
         )
     for run in report["runs"]:
-        curve = " ".join(f"{p:.2f}" for p in run["acceptance_by_position"])
-        print(f"P(position i accepted) {run['drafter']}: {curve}")
+        if run["acceptance_by_position"]:
+            curve = " ".join(f"{p:.2f}" for p in run["acceptance_by_position"])
+            print(f"P(position i accepted) {run['drafter']}: {curve}")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Acceptance by draft position (left) and tau (right) of every drafter, as a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise common.UserError("--plot needs matplotlib: pip install -e '.[eval]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot
+
+    figure, (curves, bars) = pyplot.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for run in report["runs"]:
+        if run["acceptance_by_position"]:
+            positions = range(1, len(run["acceptance_by_position"]) + 1)
+            curves.plot(positions, run["acceptance_by_position"], marker="o", markersize=3, label=run["drafter"])
+    curves.set(xlabel="draft position i", ylabel="P(drafts 1..i accepted)", ylim=(0, 1), title="Acceptance by position")
+    curves.legend(fontsize=7)
+    names = [run["drafter"][-28:] for run in report["runs"]]
+    bars.barh(names, [run["tau"] for run in report["runs"]])
+    bars.set(xlabel="tau (tokens per target forward)", title=f"tau, k={report['k']}, {report['prompts']} prompts")
+    bars.tick_params(axis="y", labelsize=7)
+    figure.tight_layout()
+    with common.atomic_path(path) as staging:
+        figure.savefig(staging, format="png", dpi=120)
+    pyplot.close(figure)
 
 
 # ----------------------------------------------------------------------------------------------- inputs
 
 
-def load_prompts(path: Path, limit: int | None, vocab_size: int) -> list[list[int]]:
-    """Token-id prompts from a jsonl (`token_ids`, or `prompt_ids`), checked against the target's vocabulary."""
-    prompts = []
+def prompt_ids(row: dict, where: str, tokenizer_for) -> list[int]:
+    """A row's token ids: `token_ids` / `prompt_ids` as given, or `messages` in the chat template."""
+    if "messages" in row and "token_ids" not in row:
+        messages = row["messages"]
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)):
+            raise common.UserError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
+        return encode(tokenizer_for(where), messages, enable_thinking=False)
+    ids = row.get("token_ids", row.get("prompt_ids"))
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise common.UserError(f"{where}: expected a non-empty list of ints in `token_ids` (or `prompt_ids`), or chat `messages`")
+    return ids
+
+
+def read_mtbench(path: Path, limit: int | None) -> list[list[str]]:
+    """The user turns of each MT-bench question (FastChat's question.jsonl: question_id, category, turns)."""
+    questions = []
     for line_number, row in enumerate(common.read_jsonl(path)[:limit], 1):
-        ids = row.get("token_ids", row.get("prompt_ids")) if isinstance(row, dict) else None
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise common.UserError(f"{path}:{line_number}: expected a non-empty list of ints in `token_ids` (or `prompt_ids`)")
+        turns = row.get("turns")
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise common.UserError(f"{path}:{line_number}: not an MT-bench question (expected `turns`, a list of strings)")
+        questions.append(turns)
+    return questions
+
+
+def check_vocabulary(prompts: list[list[int]], vocab_size: int, what: str) -> None:
+    for index, ids in enumerate(prompts):
         if not all(0 <= i < vocab_size for i in ids):
-            raise common.UserError(f"{path}:{line_number}: token id {max(ids)} or {min(ids)} outside the target's vocabulary 0..{vocab_size - 1}")
-        prompts.append(ids)
-    if not prompts:
-        raise common.UserError(f"{path} holds no prompts")
-    return prompts
+            raise common.UserError(f"{what}, prompt {index}: token id {max(ids)} or {min(ids)} outside the target's vocabulary 0..{vocab_size - 1}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="target causal-LM directory (transformers)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="the target's tokenizer, for chat messages (default: --target)")
     drafters = parser.add_mutually_exclusive_group()
     drafters.add_argument("--server", help="draft server base URL, e.g. http://127.0.0.1:8000")
     drafters.add_argument("--drafter", type=Path, help="model package or checkpoint directory, drafted in this process")
-    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=[], help="also measure these drafters in the same run")
-    parser.add_argument("--prompts", type=Path, required=True, help="jsonl with `token_ids` per line")
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--drafter-weights", choices=("auto", "packed", "dequant"), default="auto", help="draft_model weight path of --drafter")
+    parser.add_argument("--hybrid", type=int, default=None, metavar="N", help=f"also measure hybrid drafting with lookup_min_match N (1..{draft_model.LOOKUP_MAX_MATCH})")
+    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=[], help="also measure these in the same run")
+    parser.add_argument("--assistant", type=Path, default=None, help="assistant model for --baselines assisted (default: --drafter)")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompts", type=Path, help="jsonl with `token_ids` or chat `messages` per line")
+    prompts.add_argument("--mtbench", type=Path, help="MT-bench question.jsonl (FastChat format)")
+    parser.add_argument("--turns", type=int, choices=(1, 2), default=1, help="MT-bench turns to measure (2: also the second, after the target's answer)")
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts (questions)")
     parser.add_argument("--k", type=int, default=16, help="draft tokens per verify step (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to commit per prompt (default 128)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype on CPU (default float32)")
     parser.add_argument("--check", action="store_true", help="committed output must equal the target's greedy output")
     parser.add_argument("--json", type=Path, default=None, help="write the report here (and a log beside it)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the acceptance curves and tau here (PNG)")
     args = parser.parse_args(argv)
     if args.server is None and args.drafter is None and not args.baselines:
         parser.error("give a drafter (--server or --drafter) and/or --baselines")
@@ -299,6 +385,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.hybrid is not None and not 1 <= args.hybrid <= draft_model.LOOKUP_MAX_MATCH:
+        raise common.UserError(f"--hybrid must be in 1..{draft_model.LOOKUP_MAX_MATCH}, got {args.hybrid}")
+    if args.hybrid is not None and args.server is None and args.drafter is None:
+        raise common.UserError("--hybrid measures a model drafter with prompt lookup: give --server or --drafter")
+    if "assisted" in args.baselines and (args.assistant or args.drafter) is None:
+        raise common.UserError("--baselines assisted needs the assistant model: give --assistant DIR (or --drafter DIR)")
     return args
 
 
@@ -314,65 +406,139 @@ def make_logger(json_path: Path | None) -> logging.Logger:
 # ----------------------------------------------------------------------------------------------- main
 
 
-def measure(name: str, draft: DraftFn, target, prompts, args, eos_ids, references, greedy_tokens_per_s, logger) -> dict:
-    run = SpeculativeRun()
-    for prompt in tqdm(prompts, desc=name[-30:], leave=False):
-        speculative_generate(target, draft, prompt, args.k, args.max_new_tokens, eos_ids, run)
-    mismatches = None
-    if args.check:
-        mismatches = []
-        for index, (committed, reference) in enumerate(zip(run.outputs, references)):
-            found = first_mismatch(committed, reference)
-            if found:
-                position, ours, theirs = found
-                logger.error("LOSSLESS CHECK FAILED (%s): prompt %d position %d: committed %s, target greedy %s", name, index, position, ours, theirs)
-                mismatches.append({"prompt": index, "position": position, "committed": ours, "target_greedy": theirs})
-    summary = summarize(name, run, greedy_tokens_per_s, mismatches)
-    summary["outputs"] = run.outputs
-    return summary
+class Measurement:
+    """One target, its prompts and its own greedy outputs (the reference for --check and for tokens/s)."""
+
+    def __init__(self, args: argparse.Namespace, logger: logging.Logger):
+        self.args, self.logger = args, logger
+        self.target = load_any_model(args.target, "cpu", DTYPES[args.dtype])
+        self.eos_ids = eos_token_ids(self.target)
+        self.tokenizer = None
+        self.prompts: list[list[int]] = []
+        self.references: list[list[int]] = []
+        self.greedy_seconds = 0.0
+
+    def tokenizer_for(self, where: str):
+        if self.tokenizer is None:
+            source = self.args.tokenizer or self.args.target
+            try:
+                self.tokenizer = load_tokenizer(str(source), None)
+            except common.UserError as error:
+                raise common.UserError(f"{where} holds chat messages, which need the target's tokenizer: {error}; give --tokenizer DIR") from None
+        return self.tokenizer
+
+    def add_prompts(self, prompts: list[list[int]], what: str) -> None:
+        """Check prompts against the target and run the target alone on them."""
+        check_vocabulary(prompts, self.target.config.vocab_size, what)
+        self.logger.info("target-only greedy on %d prompts (%s)", len(prompts), what)
+        started = time.perf_counter()
+        self.references += [target_greedy(self.target, prompt, self.args.max_new_tokens, self.eos_ids) for prompt in tqdm(prompts, desc="target greedy", leave=False)]
+        self.greedy_seconds += time.perf_counter() - started
+        self.prompts += prompts
+
+    def load_prompts(self) -> None:
+        args = self.args
+        if args.prompts is not None:
+            rows = common.read_jsonl(args.prompts)[: args.limit]
+            if not rows:
+                raise common.UserError(f"{args.prompts} holds no prompts")
+            self.add_prompts([prompt_ids(row, f"{args.prompts}:{i}", self.tokenizer_for) for i, row in enumerate(rows, 1)], str(args.prompts))
+            return
+        questions = read_mtbench(args.mtbench, args.limit)
+        if not questions:
+            raise common.UserError(f"{args.mtbench} holds no questions")
+        tokenizer = self.tokenizer_for(str(args.mtbench))
+        first_turns = [[{"role": "user", "content": turns[0]}] for turns in questions]
+        self.add_prompts([encode(tokenizer, messages, enable_thinking=False) for messages in first_turns], "MT-bench turn 1")
+        if args.turns == 2:
+            second_turns = [
+                messages + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()},
+                            {"role": "user", "content": turns[1]}]
+                for messages, answer, turns in zip(first_turns, self.references, questions) if len(turns) > 1
+            ]
+            self.add_prompts([encode(tokenizer, messages, enable_thinking=False) for messages in second_turns], "MT-bench turn 2")
+
+    @property
+    def greedy_tokens_per_s(self) -> float:
+        return sum(map(len, self.references)) / self.greedy_seconds
+
+    def finish(self, name: str, run: SpeculativeRun) -> dict:
+        """The summary of one drafter's run, with the lossless check against the target's own outputs."""
+        mismatches = None
+        if self.args.check:
+            mismatches = []
+            for index, (committed, reference) in enumerate(zip(run.outputs, self.references)):
+                found = first_mismatch(committed, reference)
+                if found:
+                    position, ours, theirs = found
+                    self.logger.error("LOSSLESS CHECK FAILED (%s): prompt %d position %d: committed %s, target greedy %s", name, index, position, ours, theirs)
+                    mismatches.append({"prompt": index, "position": position, "committed": ours, "target_greedy": theirs})
+        summary = summarize(name, run, self.greedy_tokens_per_s, mismatches)
+        summary["outputs"] = run.outputs
+        return summary
+
+    def speculative(self, name: str, draft: DraftFn) -> dict:
+        self.logger.info("measuring %s", name)
+        run = SpeculativeRun()
+        for prompt in tqdm(self.prompts, desc=name[-30:], leave=False):
+            speculative_generate(self.target, draft, prompt, self.args.k, self.args.max_new_tokens, self.eos_ids, run)
+        return self.finish(name, run)
+
+    def assisted(self, assistant_dir: Path) -> dict:
+        name = f"transformers assisted {assistant_dir}"
+        self.logger.info("measuring %s", name)
+        assistant = load_any_model(assistant_dir, "cpu", torch.float32)
+        run = SpeculativeRun()
+        for prompt in tqdm(self.prompts, desc="assisted", leave=False):
+            assisted_generate(self.target, assistant, prompt, self.args.k, self.args.max_new_tokens, self.eos_ids, run)
+        return self.finish(name, run)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logger = make_logger(args.json)
-    target = load_any_model(args.target, "cpu", DTYPES[args.dtype])
-    eos_ids = eos_token_ids(target)
-    prompts = load_prompts(args.prompts, args.limit, target.config.vocab_size)
+    measurement = Measurement(args, logger)
+    measurement.load_prompts()
 
     drafters: list[tuple[str, DraftFn]] = []
     client = httpx.Client(base_url=args.server, timeout=SERVER_TIMEOUT_S) if args.server else None
     if client is not None:
         drafters.append((f"server {args.server}", server_drafter(client)))
+        if args.hybrid is not None:
+            drafters.append((f"server {args.server} hybrid>={args.hybrid}", server_drafter(client, args.hybrid)))
     if args.drafter is not None:
-        drafters.append((f"model {args.drafter}", in_process_drafter(args.drafter)))
+        drafter = load_drafter(args.drafter, args.drafter_weights)
+        label = f"model {args.drafter} ({drafter.weights})"
+        drafters.append((label, in_process_drafter(drafter)))
+        if args.hybrid is not None:
+            drafters.append((f"{label} hybrid>={args.hybrid}", in_process_drafter(drafter, args.hybrid)))
     if "ngram" in args.baselines:
-        drafters.append(("ngram", ngram_drafter()))
+        drafters.append((f"ngram (prompt lookup, n<={NGRAM_MAX})", ngram_drafter))
 
-    logger.info("target-only greedy on %d prompts", len(prompts))
-    started = time.perf_counter()
-    references = [target_greedy(target, prompt, args.max_new_tokens, eos_ids) for prompt in prompts]
-    greedy_seconds = time.perf_counter() - started
-    greedy_tokens = sum(len(r) for r in references)
     report = {
         "target": str(args.target),
         "dtype": args.dtype,
         "k": args.k,
         "max_new_tokens": args.max_new_tokens,
-        "prompts": len(prompts),
-        "target_greedy": {"tokens": greedy_tokens, "seconds": greedy_seconds, "tokens_per_s": greedy_tokens / greedy_seconds},
+        "prompts": len(measurement.prompts),
+        "prompt_source": str(args.prompts or args.mtbench) + (f" (turns 1..{args.turns})" if args.mtbench else ""),
+        "target_greedy": {"tokens": sum(map(len, measurement.references)), "seconds": measurement.greedy_seconds,
+                          "tokens_per_s": measurement.greedy_tokens_per_s},
         "runs": [],
     }
     try:
-        for name, draft in drafters:
-            logger.info("measuring %s", name)
-            report["runs"].append(measure(name, draft, target, prompts, args, eos_ids, references, greedy_tokens / greedy_seconds, logger))
+        report["runs"] += [measurement.speculative(name, draft) for name, draft in drafters]
     finally:
         if client is not None:
             client.close()
+    if "assisted" in args.baselines:
+        report["runs"].append(measurement.assisted(args.assistant or args.drafter))
 
     print_table(report)
     if args.json is not None:
         common.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        plot(report, args.plot)
     if any(run["check"] == "FAILED" for run in report["runs"]):
         logger.error("the lossless check failed: see the mismatches above")
         raise SystemExit(1)
