@@ -290,6 +290,17 @@ class Int4Linear(nn.Module):
         scales, offsets = (t.t()[..., None] for t in self.scales_and_offsets.unbind(dim=-1))  # (N, K/G, 1)
         return ((q - 8) * scales + offsets).view(self.out_features, self.in_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of the (N, K) weight, dequantized: (*ids.shape, K). A tied INT4 lm_head
+        serves as the embedding table this way, so one 4-bit copy does both jobs."""
+        flat = ids.reshape(-1)
+        blocks = self.packed_weight.view(self.out_features // 64, self.in_features, 32)  # see _unpack_kernel_layout
+        packed = blocks[flat // 64, :, flat % 32]  # (n, K) bytes holding each row's nibbles
+        q = torch.where((flat % 64 < 32)[:, None], packed & 0xF, packed >> 4).view(len(flat), -1, self.group_size)
+        scales, offsets = (t[:, flat].t()[..., None] for t in self.scales_and_offsets.unbind(dim=-1))  # (n, K/G, 1)
+        weights = (q.to(INT4_KERNEL_DTYPE) - 8) * scales + offsets
+        return weights.view(*ids.shape, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.dense_prefill and flat.shape[0] >= DENSE_PREFILL_ROWS:
@@ -401,9 +412,13 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed_tokens.weight
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids (B, T) -> (B, T, hidden); without a table of its own, the rows of the INT4 lm_head."""
+        return self.embed_tokens(token_ids) if self.embed_tokens is not None else self.lm_head.rows(token_ids)
+
     def forward(self, token_ids: torch.Tensor, cache: "KVCache", at: ForwardInputs) -> torch.Tensor:
         """token_ids (B, T) -> final hidden states (B, T, hidden); KV written to the cache on the way."""
-        x = self.embed_tokens(token_ids)
+        x = self.embed(token_ids)
         cos, sin = rope_cos_sin(at.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         # A query sees every key at or before its own position in its row's slot: (B, 1, T, kv_len).
         key_positions = torch.arange(at.kv_len, device=token_ids.device)
@@ -449,6 +464,9 @@ class QuantConfig:
     desc_act: bool
     checkpoint_format: str
     modules_to_not_convert: tuple[str, ...]
+    # Our extension, "quantized_embedding": {"group_size": G}: the tied embedding / lm_head table is stored
+    # as GPTQ tensors too (model.embed_tokens.qweight ..., a linear of in=hidden, out=vocab).
+    embedding_group_size: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict, source: Path) -> "QuantConfig":
@@ -461,6 +479,9 @@ class QuantConfig:
         checkpoint_format = raw.get("checkpoint_format", "gptq")
         if checkpoint_format not in ZERO_OFFSET:
             raise ModelLoadError(f"{source}: checkpoint_format {checkpoint_format!r} is not supported; expected one of {list(ZERO_OFFSET)}")
+        embedding = raw.get("quantized_embedding")
+        if embedding is not None and not (isinstance(embedding, dict) and isinstance(embedding.get("group_size"), int) and embedding["group_size"] > 0):
+            raise ModelLoadError(f"{source}: quantized_embedding {embedding!r} is not supported; expected {{\"group_size\": G}} with G > 0")
         return cls(
             bits=4,
             group_size=raw.get("group_size", 128),
@@ -468,10 +489,12 @@ class QuantConfig:
             desc_act=raw.get("desc_act", False),
             checkpoint_format=checkpoint_format,
             modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
+            embedding_group_size=embedding["group_size"] if embedding else None,
         )
 
     def describe(self) -> dict:
-        return {"method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act}
+        return {"method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act,
+                "embedding_group_size": self.embedding_group_size}
 
 
 @dataclass(frozen=True)
@@ -525,11 +548,16 @@ def _expected_tensors(cfg: ModelConfig, quant: QuantConfig | None) -> dict[str, 
         del expected["lm_head.weight"]
     if quant is None:
         return expected
-    for name in _quantized_linears(cfg, quant):
+    quantized = {name: quant.group_size for name in _quantized_linears(cfg, quant)}
+    if quant.embedding_group_size:
+        if not cfg.tie_word_embeddings:
+            raise ModelLoadError("quantized_embedding needs tie_word_embeddings: the INT4 table serves as embedding and lm_head")
+        quantized["embed_tokens"] = quant.embedding_group_size
+    for name, group_size in quantized.items():
         out_features, in_features = expected.pop(f"model.{name}.weight")
-        if in_features % quant.group_size or in_features % NIBBLES_PER_INT32 or out_features % NIBBLES_PER_INT32:
-            raise ModelLoadError(f"{name}: shape [{out_features}, {in_features}] does not fit GPTQ group size {quant.group_size}")
-        n_groups = in_features // quant.group_size
+        if in_features % group_size or in_features % NIBBLES_PER_INT32 or out_features % NIBBLES_PER_INT32:
+            raise ModelLoadError(f"{name}: shape [{out_features}, {in_features}] does not fit GPTQ group size {group_size}")
+        n_groups = in_features // group_size
         expected[f"model.{name}.qweight"] = (in_features // NIBBLES_PER_INT32, out_features)
         expected[f"model.{name}.qzeros"] = (n_groups, out_features // NIBBLES_PER_INT32)
         expected[f"model.{name}.scales"] = (n_groups, out_features)
@@ -597,27 +625,35 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def _load_state(
     tensors: dict[str, torch.Tensor], cfg: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype, packed: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, str]]:
     """Checkpoint tensors -> our state dict in the compute dtype.
 
     Each GPTQ linear becomes Int4Linear buffers when `packed` and the kernel can take it, else a dense
-    dequantized weight. Returns the state and, for every quantized linear left dense, the reason.
+    dequantized weight; a quantized tied embedding becomes the INT4 lm_head (whose rows are the
+    embedding) or a dense table. Returns the state, the packed layers (name -> group size) and, for
+    every quantized tensor left dense, the reason.
     """
-    state, dense_reasons = {}, {}
-    for name in _quantized_linears(cfg, quant) if quant else []:
+    state, int4_layers, dense_reasons = {}, {}, {}
+    quantized = {name: (name, quant.group_size) for name in _quantized_linears(cfg, quant)} if quant else {}
+    if quant and quant.embedding_group_size:
+        quantized["embed_tokens"] = ("lm_head", quant.embedding_group_size)  # packed, the table lives in the head
+    for name, (packed_name, group_size) in quantized.items():
         parts = {part: tensors.pop(f"model.{name}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")}
         out_features, in_features = parts["scales"].shape[1], parts["g_idx"].shape[0]
-        reason = Int4Linear.unsupported(in_features, out_features, quant.group_size, parts["g_idx"]) if packed else "dense weights chosen"
+        reason = Int4Linear.unsupported(in_features, out_features, group_size, parts["g_idx"]) if packed else "dense weights chosen"
+        if reason is None and name == "embed_tokens" and not (out_features % 64 == 0 and kernel_layout_is_known()):
+            reason = "embedding rows are read in the kernel's 64-row layout: it must be known and the vocabulary a multiple of 64"
         if reason is None:
-            state.update({f"{name}.{k}": v for k, v in Int4Linear.pack_gptq(**parts, checkpoint_format=quant.checkpoint_format).items()})
+            state.update({f"{packed_name}.{k}": v for k, v in Int4Linear.pack_gptq(**parts, checkpoint_format=quant.checkpoint_format).items()})
+            int4_layers[packed_name] = group_size
         else:
             dense_reasons[name] = reason
             state[f"{name}.weight"] = gptq_dequantize(**parts, checkpoint_format=quant.checkpoint_format).to(dtype)
     for hf_name, tensor in tensors.items():
         state[hf_name.removeprefix("model.")] = tensor.to(dtype)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    return state, dense_reasons
+    return state, int4_layers, dense_reasons
 
 
 def _quantize_lm_head(state: dict[str, torch.Tensor], cfg: ModelConfig) -> int:
@@ -633,13 +669,16 @@ def _quantize_lm_head(state: dict[str, torch.Tensor], cfg: ModelConfig) -> int:
     return group_size
 
 
-def _skeleton(cfg: ModelConfig, int4_layers: dict[str, int]) -> Transformer:
-    """The model on the meta device, with Int4Linear (of the given group size) where packed weights go."""
+def _skeleton(cfg: ModelConfig, int4_layers: dict[str, int], table_in_head: bool) -> Transformer:
+    """The model on the meta device, with Int4Linear (of the given group size) where packed weights go;
+    table_in_head: no embedding table, the INT4 lm_head's rows are the embedding."""
     with torch.device("meta"):
         model = Transformer(cfg)
         for name, group_size in int4_layers.items():
             dense = model.get_submodule(name)
             _replace_module(model, name, Int4Linear(dense.in_features, dense.out_features, group_size, bias=dense.bias is not None))
+        if table_in_head:
+            model.embed_tokens = None
     return model
 
 
@@ -753,13 +792,13 @@ def load_model(
     device, dtype, packed = _resolve_runtime(device, dtype, weights, quant)
     tensors, origin = _read_safetensors(files)
     _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
-    state, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed)
-    int4_layers = {n: quant.group_size for n in _quantized_linears(cfg, quant) if n not in dense_reasons} if quant else {}
-    if quantize_lm_head:
+    state, int4_layers, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed)
+    table_in_head = "embed_tokens.weight" not in state
+    if quantize_lm_head and not table_in_head:  # a package with a quantized embedding has its INT4 head already
         if not packed:
             raise ModelLoadError("quantize_lm_head needs the packed INT4 path (a GPTQ model on cpu with bf16)")
         int4_layers["lm_head"] = _quantize_lm_head(state, cfg)
-    model = _skeleton(cfg, int4_layers)
+    model = _skeleton(cfg, int4_layers, table_in_head)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     if packed and dense_reasons:
@@ -904,8 +943,8 @@ class Drafter:
     num_layers = property(lambda self: self.cfg.num_layers)
     quantization = property(lambda self: self.quant.describe() if self.quant else None)
     lora_rank = property(lambda self: self.lora.rank if self.lora else None)
-    device = property(lambda self: self.model.embed_tokens.weight.device)
-    dtype = property(lambda self: self.model.embed_tokens.weight.dtype)
+    device = property(lambda self: self.model.norm.weight.device)
+    dtype = property(lambda self: self.model.norm.weight.dtype)  # the compute dtype
 
     def weight_bytes(self) -> int:
         """Resident bytes of the model's parameters and buffers (a tied embedding counted once)."""
@@ -1064,7 +1103,7 @@ def _draft_rows(
 
 def _prefill(model: Transformer, cache: KVCache, rows: list[list[int]], slots: list[int], reused: list[int]) -> torch.Tensor:
     """Run each row's uncached suffix through the model, in chunks; the last token's logits (B, vocab)."""
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device
     suffixes = [row[r:] for row, r in zip(rows, reused)]
     longest = max(len(s) for s in suffixes)
     chunk = max(1, PREFILL_CHUNK_TOKENS // len(rows))

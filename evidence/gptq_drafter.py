@@ -10,7 +10,10 @@ sub-layers; dampening adds `damp_percent * mean(diag H)` to the diagonal; option
 columns by decreasing diag(H) (groups are contiguous in that order; g_idx maps each column, in its
 original place, to its group), or with --static-groups keeps the groups at G consecutive columns, their
 grids fixed up front, so g_idx = k // G as INT4 kernels expect. Scales are rounded to fp16 before use,
-since that is what is stored.
+since that is what is stored. With --embedding-group-size G the tied embedding / lm_head table is
+rounded to 4 bits too (round-to-nearest, asymmetric, groups of G along the hidden size) and stored as
+GPTQ tensors model.embed_tokens.{qweight,qzeros,scales,g_idx}; quant_config.json then says
+"quantized_embedding": {"group_size": G, ...}. For a small drafter the table is most of the bytes.
 
 Reads: the student (HF directory from train_drafter.py), DATA_DIR (gen_data.py; train rows calibrate,
 holdout rows measure). Writes PACKAGE_DIR: config.json, generation_config.json, quant_config.json,
@@ -269,19 +272,38 @@ def is_tied(model: torch.nn.Module) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def package_tensors(model: torch.nn.Module, quantized: dict[str, QuantizedLinear], store_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Quantized projections as GPTQ tensors; every other tensor under its HF name in `store_dtype`;
-    a tied lm_head is left out (the loader re-ties it)."""
+def package_tensors(
+    model: torch.nn.Module, quantized: dict[str, QuantizedLinear], store_dtype: torch.dtype, embedding: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """Quantized projections (and the quantized embedding, if any) as GPTQ tensors; every other tensor
+    under its HF name in `store_dtype`; a tied lm_head is left out (the loader re-ties it)."""
     tensors = {}
     for name, tensor in model.state_dict().items():
         module, _, kind = name.rpartition(".")
         if (module in quantized and kind == "weight") or (name == "lm_head.weight" and is_tied(model)):
             continue
+        if name == "model.embed_tokens.weight" and embedding is not None:
+            continue
         tensors[name] = tensor.detach().to(store_dtype).cpu().contiguous()
     for module, result in quantized.items():
         for kind, tensor in result.pack().items():
             tensors[f"{module}.{kind}"] = tensor.contiguous()
+    for kind, tensor in (embedding or {}).items():
+        tensors[f"model.embed_tokens.{kind}"] = tensor.contiguous()
     return tensors
+
+
+@torch.no_grad()
+def quantize_embedding(model: torch.nn.Module, group_size: int) -> dict[str, torch.Tensor]:
+    """Round the tied embedding table to 4 bits (RTN, asymmetric) in place; its GPTQ tensors."""
+    if not is_tied(model):
+        raise common.UserError("--embedding-group-size needs a tied embedding (tie_word_embeddings): the INT4 table serves both ends")
+    table = model.get_input_embeddings().weight  # [vocab, hidden]: a linear of in=hidden, out=vocab
+    if table.shape[1] % group_size:
+        raise common.UserError(f"--embedding-group-size {group_size} does not divide the hidden size {table.shape[1]}")
+    gptq = draft_model.rtn_quantize(table.float().cpu(), group_size, sym=False)
+    table.copy_(draft_model.gptq_dequantize(**gptq).to(table.dtype))
+    return gptq
 
 
 def round_unquantized(model: torch.nn.Module, quantized: dict[str, QuantizedLinear], store_dtype: torch.dtype) -> None:
@@ -302,10 +324,12 @@ def write_package(out_dir: Path, model: torch.nn.Module, tensors: dict[str, torc
         save_file(tensors, str(staging / draft_model.PACKAGE_WEIGHTS), metadata={"format": "pt"})
 
 
-def quant_config(settings: QuantSettings, calib_samples: int) -> dict:
+def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_size: int | None) -> dict:
     """HF GPTQConfig field names. desc_act tells loaders whether g_idx is a reordering; with static groups
-    it is not (columns were visited in act-order, but every group is still G consecutive columns)."""
-    return {
+    it is not (columns were visited in act-order, but every group is still G consecutive columns).
+    quantized_embedding is this project's extension (draft_model reads it)."""
+    embedding = {"quantized_embedding": {"group_size": embedding_group_size, "method": "rtn", "sym": False}} if embedding_group_size else {}
+    return embedding | {
         "quant_method": "gptq",
         "bits": BITS,
         "group_size": settings.group_size,
@@ -364,6 +388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=False,
         help="with --act-order: fix each group's grid up front so g_idx stays k // group (INT4 kernels need that)",
     )
+    parser.add_argument("--embedding-group-size", type=int, default=None, help="also round the tied embedding to INT4 in groups of G (default: keep it in --store-dtype)")
     parser.add_argument("--damp-percent", type=float, default=0.01)
     parser.add_argument("--calib-samples", type=int, default=256)
     parser.add_argument("--calib-max-tokens", type=int, default=2048)
@@ -379,8 +404,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
-    if args.group_size < 8 or args.group_size % 8:
-        raise common.UserError(f"--group-size must be a positive multiple of 8, got {args.group_size}")
+    for flag, value in (("--group-size", args.group_size), ("--embedding-group-size", args.embedding_group_size or 8)):
+        if value < 8 or value % 8:
+            raise common.UserError(f"{flag} must be a positive multiple of 8, got {value}")
     if not 0 <= args.damp_percent < 1 or args.calib_samples < 1 or args.k < 1:
         raise common.UserError(
             f"need --damp-percent in [0, 1), --calib-samples >= 1, --k >= 1; got {args.damp_percent}, {args.calib_samples}, {args.k}"
@@ -398,12 +424,14 @@ def main(argv: list[str] | None = None) -> dict:
     sequences = calibration_sequences(train_examples, args.calib_samples, args.calib_max_tokens)
     quantized = quantize_model(model, sequences, settings, logger)
     round_unquantized(model, quantized, store_dtype)
+    embedding = quantize_embedding(model, args.embedding_group_size) if args.embedding_group_size else None
     int4_argmax = teacher_forced_argmax(model, holdout)
     card = {"name": args.name, "description": "GPTQ INT4 drafter distilled from the target's greedy continuations",
             "random_weights": False, **(common.read_json(args.card, "model card") if args.card else {})}
-    write_package(args.out, model, package_tensors(model, quantized, store_dtype), quant_config(settings, len(sequences)), card)
+    config = quant_config(settings, len(sequences), args.embedding_group_size)
+    write_package(args.out, model, package_tensors(model, quantized, store_dtype, embedding), config, card)
     report = {
-        "settings": asdict(settings), "store_dtype": args.store_dtype, "calibration_sequences": len(sequences),
+        "settings": asdict(settings), "store_dtype": args.store_dtype, "embedding_group_size": args.embedding_group_size, "calibration_sequences": len(sequences),
         "calibration_tokens": sum(len(s) for s in sequences),
         "student_holdout": asdict(tau_from_matches([p == e["tokens"] for p, e in zip(student_argmax, holdout)], args.k)),
         "int4_holdout": asdict(tau_from_matches([p == e["tokens"] for p, e in zip(int4_argmax, holdout)], args.k)),

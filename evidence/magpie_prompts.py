@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "temperature": args.temperature, "batch_size": args.batch_size, "max_user_tokens": args.max_user_tokens, "dtype": args.dtype}
     rounds_path = common.log_path_beside(args.out, "magpie_prompts").with_suffix(".rounds.jsonl")
     rounds = read_rounds(rounds_path, settings)
-    if not rounds:
-        common.atomic_write_text(rounds_path, json.dumps({"settings": settings}) + "\n")
+    # Rewritten without a torn last line, so the rounds appended below start on a line of their own.
+    common.atomic_write_text(rounds_path, "".join(json.dumps(line) + "\n" for line in [{"settings": settings}, *rounds]))
     logger.info("user prefix %r; %d finished round(s) found", tokenizer.decode(prefix), len(rounds))
 
     keep = MagpieFilter(tokenizer, args, existing, [row for path in args.exclude for row in common.read_jsonl(path)])

@@ -547,6 +547,47 @@ def test_int4_lm_head_keeps_the_embedding_and_drafts(gptq_package):
         draft_model.load_model(directory, weights="dequant", quantize_lm_head=True)
 
 
+def write_package_with_int4_embedding(hf_model, directory, seed: int) -> None:
+    """A package whose tied embedding is GPTQ tensors too (quant_config "quantized_embedding"); hf_model
+    gets the dequantized table, so it is the reference for what the package means."""
+    gptq = quantize_into(hf_model, 32, True, False, seed=seed)
+    table = draft_model.rtn_quantize(hf_model.model.embed_tokens.weight.detach(), 32, sym=False)
+    hf_model.model.embed_tokens.weight.data = draft_model.gptq_dequantize(**table)
+    gptq.update({f"model.embed_tokens.{part}": tensor for part, tensor in table.items()})
+    quant_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "checkpoint_format": "gptq",
+                    "quantized_embedding": {"group_size": 32}}
+    write_gptq_checkpoint(hf_model, directory, gptq, quant_config, as_package=True)
+
+
+def test_quantized_embedding_is_one_int4_table_for_both_ends(tmp_path):
+    hf_model = make_hf_model("qwen3")
+    write_package_with_int4_embedding(hf_model, tmp_path, seed=31)
+    dense = draft_model.load_model(tmp_path, cache_slots=4, weights="dequant")
+    assert torch.equal(dense.model.embed_tokens.weight, hf_model.model.embed_tokens.weight)
+    rows = random_rows([20, 45], seed=32)
+    dense_drafts = draft_model.draft_batch(dense, rows, max_tokens=12)
+    assert dense_drafts == [reference_greedy(hf_model, row, 12) for row in rows]
+
+    packed = draft_model.load_model(tmp_path, cache_slots=4)
+    assert packed.model.embed_tokens is None and isinstance(packed.model.lm_head, draft_model.Int4Linear)
+    assert packed.quantization["embedding_group_size"] == 32
+    vocab, hidden = packed.vocab_size, packed.cfg.hidden_size
+    assert not any(t.numel() == vocab * hidden and t.is_floating_point() for t in [*packed.model.parameters(), *packed.model.buffers()])
+    ids = torch.tensor([[0, 5, 63, 64], [127, 200, 255, 31]])
+    looked_up = packed.model.embed(ids).float()  # (2, 4, hidden) read from the packed head
+    assert torch.allclose(looked_up, packed.model.lm_head.dense_weight()[ids].float())
+    assert (looked_up - hf_model.model.embed_tokens.weight[ids]).abs().max() <= 1e-2 * hf_model.model.embed_tokens.weight.abs().max()
+    packed_drafts = draft_model.draft_batch(packed, rows, max_tokens=12)
+    assert all(p[:4] == d[:4] for p, d in zip(packed_drafts, dense_drafts))  # bf16 may flip a late near-tie
+
+
+def test_quantized_embedding_needs_a_tied_table(tmp_path):
+    hf_model = make_hf_model("qwen3", tie_word_embeddings=False)
+    write_package_with_int4_embedding(hf_model, tmp_path, seed=33)
+    with pytest.raises(draft_model.ModelLoadError, match="quantized_embedding needs tie_word_embeddings"):
+        draft_model.load_model(tmp_path)
+
+
 def test_sharded_checkpoint_and_generation_config_eos(tmp_path):
     hf_model = make_hf_model("llama", tie_word_embeddings=False)
     hf_model.generation_config.eos_token_id = [2, 7]

@@ -79,12 +79,14 @@ def test_end_to_end_package_loads_strictly_and_drafts(pipeline_run):
     quant = json.loads((out / "quant_config.json").read_text())
     assert quant == {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True, "static_groups": False,
                      "act_order": True, "damp_percent": 0.01, "checkpoint_format": "gptq", "modules_to_not_convert": ["lm_head"],
-                     "calibration_samples": 32}
+                     "calibration_samples": 32, "quantized_embedding": {"group_size": 32, "method": "rtn", "sym": False}}
     with safe_open(str(out / "model_int4.safetensors"), framework="pt") as handle:
         names = set(handle.keys())
         assert handle.get_tensor("model.layers.0.mlp.down_proj.qweight").dtype == torch.int32
     assert "model.layers.1.self_attn.q_proj.qweight" in names and "model.layers.0.self_attn.q_proj.weight" not in names
     assert "lm_head.weight" not in names  # tied: the loader re-ties it
+    assert "model.embed_tokens.qweight" in names and "model.embed_tokens.weight" not in names  # the INT4 table
+    assert draft_model.load_model(out, cache_slots=2).model.embed_tokens is None  # packed: the head's rows are the table
     card = json.loads((out / "model_card.json").read_text())
     assert card["name"] == "tiny-test-drafter" and card["random_weights"] is True
 
@@ -96,9 +98,10 @@ def test_end_to_end_record_reports_every_stage(pipeline_run):
         assert 1.0 <= record["holdout_tau"][stage] <= k + 1
     assert record["holdout_tau"]["base_model"] > 1.05  # the perturbed base already drafts something
     assert record["holdout_tau"]["distilled"] >= record["holdout_tau"]["base_model"]  # selection keeps step 0 if nothing beats it
-    assert record["data"]["prompts_per_source"] == {"no_robots": 10, "gsm8k": 12, "tulu_code": 12, "tulu_if": 12, "aya": 12}
-    assert record["data"]["teacher_data"]["rows"] == 58
-    assert len(record["commands"]) == 7 and all(c.startswith("python evidence/") for c in record["commands"])
+    assert record["data"]["prompts_per_source"] == {"no_robots": 10, "gsm8k": 12, "tulu_code": 12, "tulu_if": 12, "aya": 12, "magpie": 6}
+    assert record["data"]["teacher_data"]["rows"] == 64
+    assert record["data"]["magpie"]["seed"] == 0
+    assert len(record["commands"]) == 8 and all(c.startswith("python evidence/") for c in record["commands"])
     assert record["eval"]["sequences"] == 6 and set(record["eval"]["tau"]) == {"base_model", "distilled", "int4", "int4_lora"}
     assert all(1.0 <= measured["tau"] <= k + 1 for measured in record["eval"]["tau"].values())
     assert not any(str(pipeline_run["work"]) in c for c in record["commands"])  # placeholders, not this machine's paths
@@ -138,7 +141,7 @@ def test_rerun_skips_every_finished_stage(inputs, pipeline_run):
     before = (pipeline_run["out"] / "model_int4.safetensors").read_bytes()
     record = run_pipeline.main(pipeline_argv(inputs, pipeline_run["work"], pipeline_run["out"]))
     log = (pipeline_run["work"] / "run_pipeline.log").read_text()
-    for stage in ("prompts", "aya", "data", "distill", "gptq", "lora", "eval_data"):
+    for stage in ("prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data"):
         assert f"stage {stage}: unchanged, skipped" in log
     assert record["holdout_tau"] == pipeline_run["record"]["holdout_tau"]
     assert (pipeline_run["out"] / "model_int4.safetensors").read_bytes() == before
@@ -160,6 +163,42 @@ def test_prompts_take_the_user_turn_in_the_chat_template(pipeline_run):
     assert len({tuple(r["token_ids"]) for r in rows}) == len(rows)
     aya = [r for r in rows if r["source"] == "aya"]
     assert sorted({r["language"] for r in aya}) == ["English", "French", "Swahili"] and len(aya) == 12
+
+
+def run_magpie(inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
+    from evidence import magpie_prompts
+
+    return magpie_prompts.main(["--prompts", str(prompts), "--teacher", str(inputs["teacher"]), "--tokenizer", str(inputs["tokenizer"]),
+                                "--count", "5", "--batch-size", "16", "--max-user-tokens", "48", "--min-words", "1", "--max-rounds", "3",
+                                "--max-prompt-tokens", "64", "--out", str(out), *extra])
+
+
+def test_magpie_prompts_are_reproducible_resumable_new_and_templated(inputs, pipeline_run, tmp_path):
+    from evidence.magpie_prompts import normalized, user_text
+
+    existing = pipeline_run["work"] / "prompts_aya.jsonl"
+    first = run_magpie(inputs, existing, tmp_path / "a.jsonl", "--exclude", str(inputs["eval_prompts"]))
+    rows = common.read_jsonl(tmp_path / "a.jsonl")
+    base, added = rows[: -first["added"]], rows[-first["added"] :]
+    assert base == common.read_jsonl(existing) and first["added"] == 5 and first["settings"]["seed"] == 0
+    tokenizer = prepare_prompts.load_tokenizer(str(inputs["tokenizer"]), None)
+    for row in added:
+        assert row["source"] == "magpie" and row["id"].startswith("magpie:")
+        assert row["token_ids"] == prepare_prompts.encode(tokenizer, row["messages"], enable_thinking=False)
+    texts = [normalized(user_text(row)) for row in common.read_jsonl(inputs["eval_prompts"]) + rows]
+    assert len(texts) == len(set(texts))  # no repeats, none of the measurement prompts
+
+    # The same seed gives the same prompts; a run killed mid-round resumes from the finished rounds.
+    rounds = tmp_path / "a.jsonl.magpie_prompts.rounds.jsonl"
+    lines = rounds.read_text().splitlines(keepends=True)
+    rounds.write_text("".join(lines[:-1]) + lines[-1][:20])  # the last round torn in the middle of its line
+    run_magpie(inputs, existing, tmp_path / "a.jsonl", "--exclude", str(inputs["eval_prompts"]))
+    assert common.read_jsonl(tmp_path / "a.jsonl") == rows
+    assert all(json.loads(line) for line in rounds.read_text().splitlines())  # the torn line is gone, not appended to
+    other_seed = run_magpie(inputs, existing, tmp_path / "b.jsonl", "--seed", "1")
+    assert other_seed["settings"]["seed"] == 1 and common.read_jsonl(tmp_path / "b.jsonl")[-5:] != added
+    with pytest.raises(common.UserError, match="was made with other settings"):
+        run_magpie(inputs, existing, tmp_path / "a.jsonl", "--seed", "1")
 
 
 def run_prompts(inputs: dict, manifest: Path, out: Path, *extra: str) -> dict:
