@@ -9,13 +9,16 @@ tau = committed tokens / verify steps (bonus included). The same run also times 
 Drafters, all measured in the same run against the same target-only reference:
   --server URL     a running draft server over HTTP: each request is the previous one plus the accepted
                    drafts plus the bonus, as the benchmark harness sends them
-  --drafter DIR    a model package or checkpoint in this process, through draft_model (--drafter-weights)
-  --hybrid N       also the same drafter with hybrid drafting (lookup_min_match N: a repeat of at least N
+  --drafter DIR    a model package or checkpoint in this process, through draft_model (--drafter-weights);
+                   repeatable, to measure several stages against one target-only run
+  --drafter-without-lora DIR   the same for a package, ignoring its LoRA adapter (the INT4 stage)
+  --hybrid N       also the first drafter with hybrid drafting (lookup_min_match N: a repeat of at least N
                    tokens in the sequence is copied instead of drafted)
   --baselines ngram      prompt lookup with no model (the last 1..3 tokens looked up earlier in the sequence)
   --baselines assisted   transformers assisted generation (generate(assistant_model=...), k constant
                    candidates, no confidence cut-off) with --assistant DIR (default --drafter) as the
                    assistant in fp32: for greedy decoding its tau must equal ours for the same weights
+                   (dense fp32 weights on both sides: --drafter-weights dequant)
 The last draft of a prompt asks for at most the tokens that can still be committed minus the bonus, as
 transformers does, so the two loops verify the same steps.
 
@@ -29,9 +32,10 @@ PNG, the acceptance curves and tau of every drafter (matplotlib).
 Exit status: 0; 2 for a user error; 1 when --check finds a committed token that differs from the
 target's greedy output (each mismatch is logged with prompt index, position and both tokens).
 
-    python evidence/measure_tau.py --target TARGET_DIR --tokenizer TOKENIZER_DIR --mtbench question.jsonl \
-        --drafter model --hybrid 4 --baselines ngram assisted --k 16 --max-new-tokens 128 \
-        --check --json OUT/tau.json --plot OUT/tau.png
+    python evidence/measure_tau.py --target SMALL/teacher --tokenizer SMALL/tokenizer \
+        --mtbench SMALL/mtbench_question.jsonl --drafter model --drafter SMALL/student_init \
+        --drafter WORK/student --drafter-without-lora model --hybrid 4 --baselines ngram assisted \
+        --k 16 --max-new-tokens 128 --check --json OUT/tau.json --plot OUT/tau.png
 """
 
 from __future__ import annotations
@@ -86,9 +90,9 @@ def server_drafter(client: httpx.Client, lookup_min_match: int = 0) -> DraftFn:
     return draft
 
 
-def load_drafter(model_dir: Path, weights: str) -> draft_model.Drafter:
-    try:
-        return draft_model.load_model(model_dir, cache_slots=2, weights=weights)  # one sequence at a time: its slot is reused
+def load_drafter(model_dir: Path, weights: str, use_lora: bool = True) -> draft_model.Drafter:
+    try:  # one sequence at a time: its slot is reused
+        return draft_model.load_model(model_dir, cache_slots=2, weights=weights, use_lora=use_lora)
     except draft_model.ModelLoadError as error:
         raise common.UserError(str(error)) from None
 
@@ -360,9 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="target causal-LM directory (transformers)")
     parser.add_argument("--tokenizer", type=Path, default=None, help="the target's tokenizer, for chat messages (default: --target)")
-    drafters = parser.add_mutually_exclusive_group()
-    drafters.add_argument("--server", help="draft server base URL, e.g. http://127.0.0.1:8000")
-    drafters.add_argument("--drafter", type=Path, help="model package or checkpoint directory, drafted in this process")
+    parser.add_argument("--server", help="draft server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--drafter", type=Path, action="append", default=[], help="model package or checkpoint directory, drafted in this process (repeatable)")
+    parser.add_argument("--drafter-without-lora", type=Path, action="append", default=[], help="model package drafted without its LoRA adapter (repeatable)")
     parser.add_argument("--drafter-weights", choices=("auto", "packed", "dequant"), default="auto", help="draft_model weight path of --drafter")
     parser.add_argument("--hybrid", type=int, default=None, metavar="N", help=f"also measure hybrid drafting with lookup_min_match N (1..{draft_model.LOOKUP_MAX_MATCH})")
     parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=[], help="also measure these in the same run")
@@ -378,18 +382,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="committed output must equal the target's greedy output")
     parser.add_argument("--json", type=Path, default=None, help="write the report here (and a log beside it)")
     parser.add_argument("--plot", type=Path, default=None, help="write the acceptance curves and tau here (PNG)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
-    if args.server is None and args.drafter is None and not args.baselines:
-        parser.error("give a drafter (--server or --drafter) and/or --baselines")
-    for name in ("k", "max_new_tokens", "limit"):
+    if args.server is None and not args.drafter and not args.drafter_without_lora and not args.baselines:
+        parser.error("give a drafter (--server, --drafter or --drafter-without-lora) and/or --baselines")
+    for name in ("k", "max_new_tokens", "limit", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.hybrid is not None and not 1 <= args.hybrid <= draft_model.LOOKUP_MAX_MATCH:
         raise common.UserError(f"--hybrid must be in 1..{draft_model.LOOKUP_MAX_MATCH}, got {args.hybrid}")
-    if args.hybrid is not None and args.server is None and args.drafter is None:
+    if args.hybrid is not None and args.server is None and not args.drafter:
         raise common.UserError("--hybrid measures a model drafter with prompt lookup: give --server or --drafter")
-    if "assisted" in args.baselines and (args.assistant or args.drafter) is None:
+    if "assisted" in args.baselines and args.assistant is None and not args.drafter:
         raise common.UserError("--baselines assisted needs the assistant model: give --assistant DIR (or --drafter DIR)")
     return args
 
@@ -497,6 +502,8 @@ class Measurement:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logger = make_logger(args.json)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     measurement = Measurement(args, logger)
     measurement.load_prompts()
 
@@ -506,12 +513,15 @@ def main(argv: list[str] | None = None) -> dict:
         drafters.append((f"server {args.server}", server_drafter(client)))
         if args.hybrid is not None:
             drafters.append((f"server {args.server} hybrid>={args.hybrid}", server_drafter(client, args.hybrid)))
-    if args.drafter is not None:
-        drafter = load_drafter(args.drafter, args.drafter_weights)
-        label = f"model {args.drafter} ({drafter.weights})"
+    for number, model_dir in enumerate(args.drafter):
+        drafter = load_drafter(model_dir, args.drafter_weights)
+        label = f"model {model_dir} ({drafter.weights})"
         drafters.append((label, in_process_drafter(drafter)))
-        if args.hybrid is not None:
+        if args.hybrid is not None and number == 0:
             drafters.append((f"{label} hybrid>={args.hybrid}", in_process_drafter(drafter, args.hybrid)))
+    for model_dir in args.drafter_without_lora:
+        drafter = load_drafter(model_dir, args.drafter_weights, use_lora=False)
+        drafters.append((f"model {model_dir} without LoRA ({drafter.weights})", in_process_drafter(drafter)))
     if "ngram" in args.baselines:
         drafters.append((f"ngram (prompt lookup, n<={NGRAM_MAX})", ngram_drafter))
 
@@ -532,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
         if client is not None:
             client.close()
     if "assisted" in args.baselines:
-        report["runs"].append(measurement.assisted(args.assistant or args.drafter))
+        report["runs"].append(measurement.assisted(args.assistant or args.drafter[0]))
 
     print_table(report)
     if args.json is not None:

@@ -12,6 +12,7 @@ into OUT:
                            as a smaller Llama checkpoint: the base model to distil
     mtbench_prompts.jsonl  the first turn of each of the 80 MT-bench questions in the chat template
                            (id, source, messages, token_ids), for measurement only, never training
+    mtbench_question.jsonl the MT-bench question file itself (FastChat format), for measure_tau.py --mtbench
     OUT.smollm2_models.log
 
     python evidence/smollm2_models.py --cache-dir CACHE --out SMALL --student-layers 0 4 8 12 17 21 25 29
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise common.UserError(f"--student-layers must be increasing, distinct and within 0..{depth - 1}; got {args.student_layers}")
     layer_subset(model, args.student_layers, args.out / "student_init")
     count = mtbench_prompts(questions, tokenizer, args.out / "mtbench_prompts.jsonl")
+    common.atomic_write_text(args.out / "mtbench_question.jsonl", questions.read_text())  # for measure_tau.py --mtbench
     summary = {"teacher_layers": depth, "student_layers": args.student_layers, "mtbench_prompts": count,
                "teacher_parameters": sum(p.numel() for p in model.parameters())}
     (args.out / "smollm2_models.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -130,10 +130,12 @@ def test_chat_messages_and_mtbench_questions(models, tmp_path):
     assert both_turns["runs"][0]["outputs"][:2] == first_turns
 
 
-def test_unrelated_drafter_is_still_lossless(models, tmp_path):
-    (run,) = run_harness(models, tmp_path, "--drafter", str(models["unrelated_dir"]))["runs"]
-    assert run["check"] == "passed" and run["mismatches"] == []
-    assert 1.0 <= run["tau"] < 1.5  # it rarely agrees, yet every committed token is the target's
+def test_unrelated_drafter_is_still_lossless_and_drafters_share_a_run(models, tmp_path):
+    close, unrelated = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]), "--drafter", str(models["unrelated_dir"]))["runs"]
+    assert unrelated["check"] == "passed" and unrelated["mismatches"] == []
+    assert 1.0 <= unrelated["tau"] < 1.5  # it rarely agrees, yet every committed token is the target's
+    alone = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]))["runs"][0]
+    assert (close["tau"], close["outputs"]) == (alone["tau"], alone["outputs"])
 
 
 def test_user_errors_exit_2(models, tmp_path, capsys, monkeypatch):
