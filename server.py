@@ -119,15 +119,17 @@ class ErrorResponse(BaseModel):
     detail: str
 
 
-def token_ids_problem(token_ids: list[int], vocab_size: int, max_context: int) -> str | None:
-    """Why the model cannot take `token_ids` (naming the offending position and the limit), or None."""
+def token_ids_problem(token_ids: list[int], vocab_size: int, max_context: int, vocabulary: str | None = None) -> str | None:
+    """Why the model cannot take `token_ids` (naming the offending position and the limit), or None.
+    `vocabulary` (the model card's) names the tokenizer, since ids from another one are the likely cause."""
     if not token_ids:
         return "token_ids is empty: send at least one token id"
     if len(token_ids) > max_context:
         return f"token_ids has {len(token_ids)} tokens; the context limit is {max_context}"
     for position, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            return f"token_ids[{position}] = {token_id} is outside the vocabulary: ids must be in 0..{vocab_size - 1}"
+            tokenizer = f" ({vocabulary}: ids from another tokenizer, such as the target's, do not fit)" if vocabulary else ""
+            return f"token_ids[{position}] = {token_id} is outside the vocabulary: ids must be in 0..{vocab_size - 1}{tokenizer}"
     return None
 
 
@@ -501,7 +503,7 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
     @app.post("/draft", response_model=DraftResponse, responses=error_responses)
     async def draft(request: DraftRequest, http_request: fastapi.Request) -> DraftResponse | Response:  # type: ignore[valid-type]
         drafter = state["drafter"]
-        problem = token_ids_problem(request.token_ids, drafter.vocab_size, drafter.max_context)
+        problem = token_ids_problem(request.token_ids, drafter.vocab_size, drafter.max_context, drafter.model_card.get("vocabulary"))
         if problem:
             raise fastapi.HTTPException(400, problem)
         try:

@@ -322,6 +322,12 @@ def test_bad_request_gets_clear_error_and_changes_nothing(live, client, referenc
     assert_serves_correct_drafts(client, reference)
 
 
+def test_out_of_vocabulary_ids_name_the_drafters_tokenizer():
+    problem = server.token_ids_problem([1, 151644], 49152, 4096, "SmolLM2 token ids (vocab_size 49152)")
+    assert "token_ids[1] = 151644" in problem and "0..49151" in problem and "SmolLM2 token ids" in problem
+    assert server.token_ids_problem([1, 151644], 151936, 4096, "SmolLM2 token ids") is None
+
+
 def test_chunked_body_over_limit_is_413(client: httpx.Client, reference):
     """No Content-Length (chunked upload): the limit still holds on the bytes actually received."""
     payload = json.dumps({"token_ids": [1] * 30000}).encode()
