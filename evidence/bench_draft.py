@@ -46,9 +46,11 @@ DRAFT_TOKENS = 16
 ACCEPTED = 8  # draft tokens the follow-up request keeps, before the target's bonus token
 
 
-def make_package(shape: str, directory: Path, lora_rank: int) -> Path:
+def make_package(shape: str, directory: Path, lora_rank: int, embedding_group_size: int | None) -> Path:
     output = directory / shape
     flags = SHAPES[shape].split() + ["--group-size", "128", "--lora-rank", str(lora_rank), "--output", str(output)]
+    if embedding_group_size:
+        flags += ["--embedding-group-size", str(embedding_group_size)]
     subprocess.run([sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags], check=True, stdout=subprocess.DEVNULL)
     return output
 
@@ -163,6 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported)")
     parser.add_argument("--hf-dtypes", default="bfloat16", help="comma-separated transformers dtypes; the first is the baseline of the ratios")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the random packages (0: none)")
+    parser.add_argument("--embedding-group-size", type=int, default=None, help="random packages store the tied embedding as INT4 in groups of G")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
-        targets = [(shape, make_package(shape, Path(scratch), args.lora_rank)) for shape in args.shapes]
+        targets = [(shape, make_package(shape, Path(scratch), args.lora_rank, args.embedding_group_size)) for shape in args.shapes]
         for shape, package in targets + [(p.name, p) for p in args.package]:
             result = bench_shape(shape, package, args)
             gib = {path: f"{n / 2**20:.1f} MiB" for path, n in result["weight_bytes"].items()}
