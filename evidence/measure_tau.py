@@ -28,7 +28,9 @@ the target's own greedy answer to the first). Messages are encoded with the chat
 (default: the target's directory), thinking off.
 
 Writes: a table on stdout; with --json OUT, the report to OUT (atomically) and a log beside it; with --plot
-PNG, the acceptance curves and tau of every drafter (matplotlib).
+PNG, the acceptance curves and tau of every drafter (matplotlib); with --record FILE, the table (no
+outputs) and the command under the key "measured_tau" of that JSON record (e.g. architecture.json),
+leaving its other keys as they are.
 Exit status: 0; 2 for a user error; 1 when --check finds a committed token that differs from the
 target's greedy output (each mismatch is logged with prompt index, position and both tokens).
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import statistics
 import sys
 import time
@@ -327,6 +330,15 @@ def plot(report: dict, path: Path) -> None:
     pyplot.close(figure)
 
 
+def write_record(path: Path, report: dict, argv: list[str] | None) -> None:
+    """The report without per-prompt outputs, and the command, as the key "measured_tau" of a JSON record."""
+    record = common.read_json(path, "record") if path.exists() else {}
+    runs = [{key: value for key, value in run.items() if key != "outputs"} for run in report["runs"]]
+    command = "python evidence/measure_tau.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    record["measured_tau"] = {**{key: value for key, value in report.items() if key != "runs"}, "runs": runs, "command": command}
+    common.atomic_write_json(path, record)
+
+
 # ----------------------------------------------------------------------------------------------- inputs
 
 
@@ -382,6 +394,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="committed output must equal the target's greedy output")
     parser.add_argument("--json", type=Path, default=None, help="write the report here (and a log beside it)")
     parser.add_argument("--plot", type=Path, default=None, help="write the acceptance curves and tau here (PNG)")
+    parser.add_argument("--record", type=Path, default=None, help='put the table under "measured_tau" in this JSON record (e.g. architecture.json)')
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     if args.server is None and not args.drafter and not args.drafter_without_lora and not args.baselines:
@@ -549,6 +562,8 @@ def main(argv: list[str] | None = None) -> dict:
         common.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.plot is not None:
         plot(report, args.plot)
+    if args.record is not None:
+        write_record(args.record, report, argv)
     if any(run["check"] == "FAILED" for run in report["runs"]):
         logger.error("the lossless check failed: see the mismatches above")
         raise SystemExit(1)

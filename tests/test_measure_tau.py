@@ -97,8 +97,10 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 
 
 def test_assisted_generation_agrees_with_ours_and_hybrid_is_lossless(models, tmp_path):
-    plot = tmp_path / "tau.png"
-    report = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]), "--hybrid", "2", "--baselines", "assisted", "--plot", str(plot))
+    plot, record = tmp_path / "tau.png", tmp_path / "architecture.json"
+    record.write_text(json.dumps({"summary": "kept"}))
+    flags = ("--hybrid", "2", "--baselines", "assisted", "--plot", str(plot), "--record", str(record))
+    report = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]), *flags)
     ours, hybrid, assisted = report["runs"]
     assert "hybrid>=2" in hybrid["drafter"] and assisted["drafter"].startswith("transformers assisted")
     assert [run["check"] for run in report["runs"]] == ["passed"] * 3
@@ -107,6 +109,9 @@ def test_assisted_generation_agrees_with_ours_and_hybrid_is_lossless(models, tmp
     assert assisted["acceptance_by_position"] == [] and assisted["draft_latency_ms"] is None  # not observable there
     assert hybrid["outputs"] == ours["outputs"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stored = json.loads(record.read_text())
+    assert stored["summary"] == "kept" and [run["tau"] for run in stored["measured_tau"]["runs"]] == [run["tau"] for run in report["runs"]]
+    assert "outputs" not in stored["measured_tau"]["runs"][0] and "--hybrid 2" in stored["measured_tau"]["command"]
 
 
 def test_chat_messages_and_mtbench_questions(models, tmp_path):
@@ -138,12 +143,21 @@ def test_unrelated_drafter_is_still_lossless_and_drafters_share_a_run(models, tm
     assert (close["tau"], close["outputs"]) == (alone["tau"], alone["outputs"])
 
 
-def test_user_errors_exit_2(models, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "row,flags,message",
+    [
+        ({"token_ids": [1, 999]}, ["--baselines", "ngram"], "outside the target's vocabulary"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, ["--baselines", "ngram"], "need the target's tokenizer"),
+        ({"token_ids": [1, 2]}, ["--baselines", "assisted"], "needs the assistant model"),
+        ({"token_ids": [1, 2]}, ["--baselines", "ngram", "--hybrid", "3"], "--hybrid measures a model drafter"),
+    ],
+)
+def test_user_errors_exit_2(models, tmp_path, capsys, monkeypatch, row, flags, message):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"token_ids": [1, 999]}) + "\n")
-    argv = ["measure_tau.py", "--target", str(models["target_dir"]), "--prompts", str(bad), "--baselines", "ngram"]
+    bad.write_text(json.dumps(row) + "\n")
+    argv = ["measure_tau.py", "--target", str(models["target_dir"]), "--prompts", str(bad), *flags]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_info:
         measure_tau.common.run_cli(measure_tau.main)
     assert exit_info.value.code == 2
-    assert "outside the target's vocabulary" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
