@@ -14,6 +14,8 @@ Drafters, all measured in the same run against the same target-only reference:
   --drafter-without-lora DIR   the same for a package, ignoring its LoRA adapter (the INT4 stage)
   --hybrid N       also the first drafter with hybrid drafting (lookup_min_match N: a repeat of at least N
                    tokens in the sequence is copied instead of drafted)
+  --min-confidence P [P ...]   also the first drafter with adaptive draft length (stop after a draft
+                   token below probability P): the trade-off of tau against draft tokens per call
   --baselines ngram      prompt lookup with no model (the last 1..3 tokens looked up earlier in the sequence)
   --baselines assisted   transformers assisted generation (generate(assistant_model=...), k constant
                    candidates, no confidence cut-off) with --assistant DIR (default --drafter) as the
@@ -77,11 +79,11 @@ DraftFn = Callable[[list[int], int], list[int]]
 # ----------------------------------------------------------------------------------------------- drafters
 
 
-def server_drafter(client: httpx.Client, lookup_min_match: int = 0) -> DraftFn:
+def server_drafter(client: httpx.Client, lookup_min_match: int = 0, min_confidence: float = 0.0) -> DraftFn:
     """Drafts from a running draft server: POST /draft with the whole sequence, as the harness does."""
 
     def draft(tokens: list[int], max_tokens: int) -> list[int]:
-        body = {"token_ids": tokens, "max_tokens": max_tokens, "lookup_min_match": lookup_min_match}
+        body = {"token_ids": tokens, "max_tokens": max_tokens, "lookup_min_match": lookup_min_match, "min_confidence": min_confidence}
         try:
             response = client.post("/draft", json=body)
         except httpx.TransportError as error:
@@ -100,11 +102,12 @@ def load_drafter(model_dir: Path, weights: str, use_lora: bool = True) -> draft_
         raise common.UserError(str(error)) from None
 
 
-def in_process_drafter(drafter: draft_model.Drafter, lookup_min_match: int = 0) -> DraftFn:
+def in_process_drafter(drafter: draft_model.Drafter, lookup_min_match: int = 0, min_confidence: float = 0.0) -> DraftFn:
     """Drafts from a model loaded in this process with draft_model."""
 
     def draft(tokens: list[int], max_tokens: int) -> list[int]:
-        return list(draft_model.draft_batch(drafter, [tokens], max_tokens=max_tokens, lookup_min_match=lookup_min_match)[0])
+        made = draft_model.draft_batch(drafter, [tokens], max_tokens=max_tokens, lookup_min_match=lookup_min_match, min_confidence=min_confidence)
+        return list(made[0])
 
     return draft
 
@@ -381,6 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drafter-without-lora", type=Path, action="append", default=[], help="model package drafted without its LoRA adapter (repeatable)")
     parser.add_argument("--drafter-weights", choices=("auto", "packed", "dequant"), default="auto", help="draft_model weight path of --drafter")
     parser.add_argument("--hybrid", type=int, default=None, metavar="N", help=f"also measure hybrid drafting with lookup_min_match N (1..{draft_model.LOOKUP_MAX_MATCH})")
+    parser.add_argument("--min-confidence", type=float, nargs="*", default=[], metavar="P", help="also measure the first drafter with these min_confidence values")
     parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=[], help="also measure these in the same run")
     parser.add_argument("--assistant", type=Path, default=None, help="assistant model for --baselines assisted (default: --drafter)")
     prompts = parser.add_mutually_exclusive_group(required=True)
@@ -405,8 +409,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.hybrid is not None and not 1 <= args.hybrid <= draft_model.LOOKUP_MAX_MATCH:
         raise common.UserError(f"--hybrid must be in 1..{draft_model.LOOKUP_MAX_MATCH}, got {args.hybrid}")
-    if args.hybrid is not None and args.server is None and not args.drafter:
-        raise common.UserError("--hybrid measures a model drafter with prompt lookup: give --server or --drafter")
+    if (args.hybrid is not None or args.min_confidence) and args.server is None and not args.drafter:
+        raise common.UserError("--hybrid and --min-confidence measure a model drafter: give --server or --drafter")
+    if not all(0 < p <= 1 for p in args.min_confidence):
+        raise common.UserError(f"--min-confidence values must be probabilities in (0, 1], got {args.min_confidence}")
     if "assisted" in args.baselines and args.assistant is None and not args.drafter:
         raise common.UserError("--baselines assisted needs the assistant model: give --assistant DIR (or --drafter DIR)")
     return args
@@ -526,12 +532,15 @@ def main(argv: list[str] | None = None) -> dict:
         drafters.append((f"server {args.server}", server_drafter(client)))
         if args.hybrid is not None:
             drafters.append((f"server {args.server} hybrid>={args.hybrid}", server_drafter(client, args.hybrid)))
+        drafters += [(f"server {args.server} min_confidence={p}", server_drafter(client, min_confidence=p)) for p in args.min_confidence]
     for number, model_dir in enumerate(args.drafter):
         drafter = load_drafter(model_dir, args.drafter_weights)
         label = f"model {model_dir} ({drafter.weights})"
         drafters.append((label, in_process_drafter(drafter)))
-        if args.hybrid is not None and number == 0:
-            drafters.append((f"{label} hybrid>={args.hybrid}", in_process_drafter(drafter, args.hybrid)))
+        if number == 0:
+            if args.hybrid is not None:
+                drafters.append((f"{label} hybrid>={args.hybrid}", in_process_drafter(drafter, args.hybrid)))
+            drafters += [(f"{label} min_confidence={p}", in_process_drafter(drafter, min_confidence=p)) for p in args.min_confidence]
     for model_dir in args.drafter_without_lora:
         drafter = load_drafter(model_dir, args.drafter_weights, use_lora=False)
         drafters.append((f"model {model_dir} without LoRA ({drafter.weights})", in_process_drafter(drafter)))

@@ -136,7 +136,10 @@ def test_chat_messages_and_mtbench_questions(models, tmp_path):
 
 
 def test_unrelated_drafter_is_still_lossless_and_drafters_share_a_run(models, tmp_path):
-    close, unrelated = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]), "--drafter", str(models["unrelated_dir"]))["runs"]
+    close, adaptive, unrelated = run_harness(
+        models, tmp_path, "--drafter", str(models["close_dir"]), "--drafter", str(models["unrelated_dir"]), "--min-confidence", "0.9"
+    )["runs"]
+    assert adaptive["check"] == "passed" and adaptive["mean_draft_tokens_per_call"] < close["mean_draft_tokens_per_call"]
     assert unrelated["check"] == "passed" and unrelated["mismatches"] == []
     assert 1.0 <= unrelated["tau"] < 1.5  # it rarely agrees, yet every committed token is the target's
     alone = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]))["runs"][0]
@@ -149,7 +152,7 @@ def test_unrelated_drafter_is_still_lossless_and_drafters_share_a_run(models, tm
         ({"token_ids": [1, 999]}, ["--baselines", "ngram"], "outside the target's vocabulary"),
         ({"messages": [{"role": "user", "content": "hi"}]}, ["--baselines", "ngram"], "need the target's tokenizer"),
         ({"token_ids": [1, 2]}, ["--baselines", "assisted"], "needs the assistant model"),
-        ({"token_ids": [1, 2]}, ["--baselines", "ngram", "--hybrid", "3"], "--hybrid measures a model drafter"),
+        ({"token_ids": [1, 2]}, ["--baselines", "ngram", "--hybrid", "3"], "--hybrid and --min-confidence measure a model drafter"),
     ],
 )
 def test_user_errors_exit_2(models, tmp_path, capsys, monkeypatch, row, flags, message):
