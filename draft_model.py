@@ -794,7 +794,9 @@ def load_model(
     _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
     state, int4_layers, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed)
     table_in_head = "embed_tokens.weight" not in state
-    if quantize_lm_head and not table_in_head:  # a package with a quantized embedding has its INT4 head already
+    if quantize_lm_head and table_in_head:
+        log.info("quantize_lm_head: the package's INT4 embedding table already is the lm_head")
+    if quantize_lm_head and not table_in_head:
         if not packed:
             raise ModelLoadError("quantize_lm_head needs the packed INT4 path (a GPTQ model on cpu with bf16)")
         int4_layers["lm_head"] = _quantize_lm_head(state, cfg)
@@ -994,15 +996,24 @@ LOOKUP_MAX_MATCH = 8  # the longest suffix prompt lookup tries to find
 
 def prompt_lookup(tokens: Sequence[int], max_tokens: int, min_match: int, max_match: int = LOOKUP_MAX_MATCH) -> list[int]:
     """Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n tokens, for the
-    longest n from max_match down to min_match that occurs, and return up to max_tokens of what followed
-    it; [] if no such n-gram recurs. Uses nothing but `tokens`."""
-    sequence = torch.as_tensor(list(tokens), dtype=torch.long)  # [L]
+    longest n from max_match down to min_match that occurs, and copy max_tokens tokens from just after
+    it; [] if no such n-gram recurs. Uses nothing but `tokens`.
+
+    The copy reads on into the tokens it has already copied, so a repeat that is still running (a loop
+    of period p, whose latest occurrence is p tokens back) continues for all max_tokens, not just p."""
+    if min_match < 1:
+        raise ValueError(f"min_match must be at least 1, got {min_match}")
+    sequence = list(tokens)
+    as_tensor = torch.as_tensor(sequence, dtype=torch.long)  # [L]
     for n in range(min(max_match, len(sequence) - 1), min_match - 1, -1):
-        windows = sequence[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a token after it
-        starts = (windows == sequence[-n:]).all(dim=1).nonzero()
+        windows = as_tensor[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a token after it
+        starts = (windows == as_tensor[-n:]).all(dim=1).nonzero()
         if len(starts):
-            start = int(starts[-1]) + n
-            return sequence[start : start + max_tokens].tolist()
+            source = int(starts[-1]) + n  # at most L - 1: each copied token is already known when it is read
+            copied: list[int] = []
+            for position in range(source, source + max_tokens):
+                copied.append(sequence[position] if position < len(sequence) else copied[position - len(sequence)])
+            return copied
     return []
 
 

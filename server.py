@@ -128,7 +128,7 @@ def token_ids_problem(token_ids: list[int], vocab_size: int, max_context: int, v
         return f"token_ids has {len(token_ids)} tokens; the context limit is {max_context}"
     for position, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            tokenizer = f" ({vocabulary}: ids from another tokenizer, such as the target's, do not fit)" if vocabulary else ""
+            tokenizer = f" (this drafter reads {vocabulary}; ids from another tokenizer do not fit)" if vocabulary else ""
             return f"token_ids[{position}] = {token_id} is outside the vocabulary: ids must be in 0..{vocab_size - 1}{tokenizer}"
     return None
 
@@ -166,7 +166,7 @@ class Metrics:
             "draft_server_failed_batches", "draft_batch calls that raised", registry=r
         )
         self.prompt_tokens = prometheus_client.Counter(
-            "draft_server_prompt_tokens", "Prompt tokens received by the drafter", registry=r
+            "draft_server_prompt_tokens", "Prompt tokens of the requests the model drafted (not lookup drafts)", registry=r
         )
         self.cached_tokens = prometheus_client.Counter(
             "draft_server_cached_tokens", "Prompt tokens whose KV came from the prefix cache", registry=r
@@ -189,7 +189,8 @@ class Metrics:
     ) -> None:
         self.batch_size.observe(len(prompts))
         self.batch_seconds.observe(seconds)
-        prompt_tokens = sum(len(prompt) for prompt in prompts)
+        # Lookup drafts never reach the model or its cache: counting them would skew the cached share.
+        prompt_tokens = sum(len(prompt) for prompt, draft in zip(prompts, drafts) if draft.source == "model")
         cached_tokens = sum(draft.cached_tokens for draft in drafts)
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
@@ -197,7 +198,8 @@ class Metrics:
         self.lookup_drafts.inc(sum(draft.source == "lookup" for draft in drafts))
         self.total_prompt_tokens += prompt_tokens
         self.total_cached_tokens += cached_tokens
-        self.cached_ratio.set(self.total_cached_tokens / self.total_prompt_tokens)
+        if self.total_prompt_tokens:
+            self.cached_ratio.set(self.total_cached_tokens / self.total_prompt_tokens)
 
 
 # ----------------------------------------------------------------------------- batcher

@@ -293,14 +293,23 @@ def package_tensors(
     return tensors
 
 
+def check_embedding_group_size(model: torch.nn.Module, group_size: int, logger) -> None:
+    """Refuse, before any work, a table --embedding-group-size cannot quantize; warn when draft_model's
+    packed path would have to keep it dense."""
+    if not is_tied(model):
+        raise common.UserError("--embedding-group-size needs a tied embedding (tie_word_embeddings): the INT4 table serves both ends")
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    if hidden % group_size:
+        raise common.UserError(f"--embedding-group-size {group_size} does not divide the hidden size {hidden}")
+    if group_size not in draft_model.INT4_KERNEL_GROUP_SIZES or vocab % 64:
+        logger.warning("the packed INT4 path reads the table with groups in %s and a vocabulary divisible by 64 (here %d, %d): it will load dense",
+                       draft_model.INT4_KERNEL_GROUP_SIZES, group_size, vocab)
+
+
 @torch.no_grad()
 def quantize_embedding(model: torch.nn.Module, group_size: int) -> dict[str, torch.Tensor]:
     """Round the tied embedding table to 4 bits (RTN, asymmetric) in place; its GPTQ tensors."""
-    if not is_tied(model):
-        raise common.UserError("--embedding-group-size needs a tied embedding (tie_word_embeddings): the INT4 table serves both ends")
     table = model.get_input_embeddings().weight  # [vocab, hidden]: a linear of in=hidden, out=vocab
-    if table.shape[1] % group_size:
-        raise common.UserError(f"--embedding-group-size {group_size} does not divide the hidden size {table.shape[1]}")
     gptq = draft_model.rtn_quantize(table.float().cpu(), group_size, sym=False)
     table.copy_(draft_model.gptq_dequantize(**gptq).to(table.dtype))
     return gptq
@@ -419,6 +428,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = common.pick_device(args.device)
     store_dtype = getattr(torch, args.store_dtype)
     model = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).to(device).eval()
+    if args.embedding_group_size:
+        check_embedding_group_size(model, args.embedding_group_size, logger)
     train_examples, holdout = load_examples(args.data, "train"), load_examples(args.data, "holdout")
     student_argmax = teacher_forced_argmax(model, holdout)
     sequences = calibration_sequences(train_examples, args.calib_samples, args.calib_max_tokens)

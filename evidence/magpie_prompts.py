@@ -10,7 +10,7 @@ measurement-only prompts of --exclude, which must never be trained on) or is lon
 --max-prompt-tokens once templated.
 
 Rounds of --batch-size samples are drawn with the seed (--seed, round number), so a run is reproducible
-and resumable: every finished round is appended to OUT.magpie_rounds.jsonl, and a rerun with the same
+and resumable: every finished round is appended to OUT.magpie_prompts.rounds.jsonl, and a rerun with the same
 settings continues after the last one. Rounds continue until --count prompts are kept (or --max-rounds).
 
 Writes OUT = PROMPTS + the new prompts (id "magpie:ROUND:ROW", source "magpie"), OUT.magpie_prompts.json
@@ -141,8 +141,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for flag in ("count", "batch_size", "max_user_tokens", "max_prompt_tokens", "min_words"):
-        if getattr(args, flag) < 1:
+    for flag in ("count", "batch_size", "max_user_tokens", "max_prompt_tokens", "min_words", "max_rounds"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise common.UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not args.temperature > 0:
         raise common.UserError(f"--temperature must be positive (Magpie samples), got {args.temperature}")
@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
     teacher, revision = common.resolve_model(args.teacher, args.teacher_revision)
     prefix = user_prefix_ids(tokenizer, args.enable_thinking)
-    end_ids = sorted({tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids([t for t in ("<|im_end|>", "<|eot_id|>") if t in tokenizer.get_vocab()])})
+    turn_ends = [t for t in ("<|im_end|>", "<|eot_id|>") if t in tokenizer.get_vocab()]  # ChatML, Llama 3
+    end_ids = sorted({*tokenizer.convert_tokens_to_ids(turn_ends), *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+    if not end_ids:
+        raise common.UserError("the tokenizer names no end-of-turn token (eos, <|im_end|> or <|eot_id|>): Magpie cannot tell where a user turn ends")
     settings = {"teacher": args.teacher, "teacher_revision": revision, "prefix": prefix, "end_ids": end_ids, "seed": args.seed,
                 "temperature": args.temperature, "batch_size": args.batch_size, "max_user_tokens": args.max_user_tokens, "dtype": args.dtype}
     rounds_path = common.log_path_beside(args.out, "magpie_prompts").with_suffix(".rounds.jsonl")

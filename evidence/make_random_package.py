@@ -5,8 +5,10 @@ its benchmark run on the real package format (DESIGN section 5) until the distil
 
 Reads nothing. Writes into --output (built in a temporary directory beside it, then renamed):
   config.json              Hugging Face Qwen3 config (real Qwen3 vocabulary size, so Qwen3 token ids validate)
-  quant_config.json        GPTQ settings: 4 bits, symmetric, group 32, no act-order, lm_head unquantized
-  model_int4.safetensors   every q/k/v/o/gate/up/down projection as GPTQ v1 tensors; embeddings and norms in bf16
+  quant_config.json        GPTQ settings: 4 bits, symmetric, group 32, no act-order (with --embedding-group-size
+                           also "quantized_embedding")
+  model_int4.safetensors   every q/k/v/o/gate/up/down projection as GPTQ v1 tensors; the tied embedding in bf16
+                           (or as GPTQ tensors with --embedding-group-size); norms in bf16
   lora.safetensors         a random PEFT LoRA adapter on every projection
   lora_config.json         its PEFT adapter config
   model_card.json          what this is: random weights, placeholder, the command that made it
@@ -223,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, width in widths.items():
         if width % args.group_size or width % 8:
             parser.error(f"{flag} = {width} must be a multiple of --group-size {args.group_size} and of 8")
-    if args.embedding_group_size and (args.hidden_size % args.embedding_group_size or args.embedding_group_size % 8):
+    if args.embedding_group_size is not None and (args.embedding_group_size < 8 or args.hidden_size % args.embedding_group_size or args.embedding_group_size % 8):
         parser.error(f"--embedding-group-size {args.embedding_group_size} must divide --hidden-size {args.hidden_size} and be a multiple of 8")
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")

@@ -12,10 +12,10 @@ Drafters, all measured in the same run against the same target-only reference:
   --drafter DIR    a model package or checkpoint in this process, through draft_model (--drafter-weights);
                    repeatable, to measure several stages against one target-only run
   --drafter-without-lora DIR   the same for a package, ignoring its LoRA adapter (the INT4 stage)
-  --hybrid N       also the first drafter with hybrid drafting (lookup_min_match N: a repeat of at least N
-                   tokens in the sequence is copied instead of drafted)
-  --min-confidence P [P ...]   also the first drafter with adaptive draft length (stop after a draft
-                   token below probability P): the trade-off of tau against draft tokens per call
+  --hybrid N       also the server, or the first --drafter, with hybrid drafting (lookup_min_match N: a
+                   repeat of at least N tokens in the sequence is copied instead of drafted)
+  --min-confidence P [P ...]   also the server, or the first --drafter, with adaptive draft length (stop
+                   after a draft token below probability P): tau against draft tokens per call
   --baselines ngram      prompt lookup with no model (the last 1..3 tokens looked up earlier in the sequence)
   --baselines assisted   transformers assisted generation (generate(assistant_model=...), k constant
                    candidates, no confidence cut-off) with --assistant DIR (default --drafter) as the
@@ -45,6 +45,7 @@ target's greedy output (each mismatch is logged with prompt index, position and 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import shlex
@@ -79,11 +80,13 @@ DraftFn = Callable[[list[int], int], list[int]]
 # ----------------------------------------------------------------------------------------------- drafters
 
 
-def server_drafter(client: httpx.Client, lookup_min_match: int = 0, min_confidence: float = 0.0) -> DraftFn:
-    """Drafts from a running draft server: POST /draft with the whole sequence, as the harness does."""
+def server_drafter(client: httpx.Client, lookup_min_match: int | None = None, min_confidence: float | None = None) -> DraftFn:
+    """Drafts from a running draft server: POST /draft with the whole sequence, as the harness does.
+    Options left None are not sent, so the server's own defaults apply (the server as deployed)."""
+    options = {"lookup_min_match": lookup_min_match, "min_confidence": min_confidence}
 
     def draft(tokens: list[int], max_tokens: int) -> list[int]:
-        body = {"token_ids": tokens, "max_tokens": max_tokens, "lookup_min_match": lookup_min_match, "min_confidence": min_confidence}
+        body = {"token_ids": tokens, "max_tokens": max_tokens} | {k: v for k, v in options.items() if v is not None}
         try:
             response = client.post("/draft", json=body)
         except httpx.TransportError as error:
@@ -276,7 +279,7 @@ def summarize(name: str, run: SpeculativeRun, greedy_tokens_per_s: float, mismat
         "mean_draft_tokens_per_call": statistics.fmean(run.drafted_per_call) if drafted else None,
         "draft_latency_ms": {"p50": 1000 * percentile(run.draft_seconds, 0.50), "p95": 1000 * percentile(run.draft_seconds, 0.95)} if drafted else None,
         "draft_seconds": sum(run.draft_seconds) if drafted else None,
-        "verify_seconds": run.verify_seconds if drafted else None,
+        "verify_seconds": run.verify_seconds or None,  # transformers' loop verifies out of sight
         "tokens_per_s": tokens_per_s,
         "speedup_vs_target_greedy": tokens_per_s / greedy_tokens_per_s,
         "check": "not run" if mismatches is None else ("passed" if not mismatches else "FAILED"),
@@ -309,10 +312,8 @@ def print_table(report: dict) -> None:
 
 def plot(report: dict, path: Path) -> None:
     """Acceptance by draft position (left) and tau (right) of every drafter, as a PNG."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise common.UserError("--plot needs matplotlib: pip install -e '.[eval]'") from None
+    import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     from matplotlib import pyplot
 
@@ -323,7 +324,7 @@ def plot(report: dict, path: Path) -> None:
             curves.plot(positions, run["acceptance_by_position"], marker="o", markersize=3, label=run["drafter"])
     curves.set(xlabel="draft position i", ylabel="P(drafts 1..i accepted)", ylim=(0, 1), title="Acceptance by position")
     curves.legend(fontsize=7)
-    names = [run["drafter"][-28:] for run in report["runs"]]
+    names = [f"{number}. {run['drafter'][-40:]}" for number, run in enumerate(report["runs"], 1)]  # numbered: never two alike
     bars.barh(names, [run["tau"] for run in report["runs"]])
     bars.set(xlabel="tau (tokens per target forward)", title=f"tau, k={report['k']}, {report['prompts']} prompts")
     bars.tick_params(axis="y", labelsize=7)
@@ -347,6 +348,8 @@ def write_record(path: Path, report: dict, argv: list[str] | None) -> None:
 
 def prompt_ids(row: dict, where: str, tokenizer_for) -> list[int]:
     """A row's token ids: `token_ids` / `prompt_ids` as given, or `messages` in the chat template."""
+    if not isinstance(row, dict):
+        raise common.UserError(f"{where}: expected a JSON object with `token_ids` or `messages`, found {type(row).__name__}")
     if "messages" in row and "token_ids" not in row:
         messages = row["messages"]
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)):
@@ -382,7 +385,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--server", help="draft server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--drafter", type=Path, action="append", default=[], help="model package or checkpoint directory, drafted in this process (repeatable)")
     parser.add_argument("--drafter-without-lora", type=Path, action="append", default=[], help="model package drafted without its LoRA adapter (repeatable)")
-    parser.add_argument("--drafter-weights", choices=("auto", "packed", "dequant"), default="auto", help="draft_model weight path of --drafter")
+    parser.add_argument("--drafter-weights", choices=("auto", "packed", "dequant"), default="auto", help="draft_model weight path of the in-process drafters")
     parser.add_argument("--hybrid", type=int, default=None, metavar="N", help=f"also measure hybrid drafting with lookup_min_match N (1..{draft_model.LOOKUP_MAX_MATCH})")
     parser.add_argument("--min-confidence", type=float, nargs="*", default=[], metavar="P", help="also measure the first drafter with these min_confidence values")
     parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=[], help="also measure these in the same run")
@@ -411,6 +414,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise common.UserError(f"--hybrid must be in 1..{draft_model.LOOKUP_MAX_MATCH}, got {args.hybrid}")
     if (args.hybrid is not None or args.min_confidence) and args.server is None and not args.drafter:
         raise common.UserError("--hybrid and --min-confidence measure a model drafter: give --server or --drafter")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise common.UserError("--plot needs matplotlib: pip install -e '.[eval]'")
     if not all(0 < p <= 1 for p in args.min_confidence):
         raise common.UserError(f"--min-confidence values must be probabilities in (0, 1], got {args.min_confidence}")
     if "assisted" in args.baselines and args.assistant is None and not args.drafter:
@@ -569,10 +574,10 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(report)
     if args.json is not None:
         common.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
-    if args.plot is not None:
-        plot(report, args.plot)
     if args.record is not None:
         write_record(args.record, report, argv)
+    if args.plot is not None:
+        plot(report, args.plot)
     if any(run["check"] == "FAILED" for run in report["runs"]):
         logger.error("the lossless check failed: see the mismatches above")
         raise SystemExit(1)

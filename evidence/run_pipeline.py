@@ -151,8 +151,11 @@ class Pipeline:
             argv += ["--cache-dir", str(self.args.cache_dir)]
         if self.args.lock:
             argv.append("--lock")
+        return argv + self.tokenizer_flags()
+
+    def tokenizer_flags(self) -> list[str]:
         tokenizer = self.config.get("tokenizer") or self.config.get("teacher")
-        return argv + model_flags("tokenizer", tokenizer, self.args.tokenizer, "tokenizer")
+        return model_flags("tokenizer", tokenizer, self.args.tokenizer, "tokenizer")
 
     def run(self) -> dict:
         config, k = self.config, str(self.config["k"])
@@ -171,9 +174,8 @@ class Pipeline:
             aya_argv = ["--prompts", str(written[0]), *self.source_flags(), *template, *flags(aya_cfg), "--out", str(written[1])]
             self.run_stage("aya", "add_aya", aya_argv, [written[1]])
         if magpie_cfg:
-            tokenizer = model_flags("tokenizer", config.get("tokenizer") or config.get("teacher"), self.args.tokenizer, "tokenizer")
             exclude = ["--exclude", str(self.args.eval_prompts)] if self.args.eval_prompts else []
-            magpie_argv = ["--prompts", str(written[-2]), *exclude, *teacher, *tokenizer, *template, *flags(magpie_cfg), "--out", str(written[-1])]
+            magpie_argv = ["--prompts", str(written[-2]), *exclude, *teacher, *self.tokenizer_flags(), *template, *flags(magpie_cfg), "--out", str(written[-1])]
             self.run_stage("magpie", "magpie_prompts", magpie_argv, [written[-1]])
         prompts = written[-1]
         if self.args.eval_prompts:
@@ -285,15 +287,17 @@ class Pipeline:
         prompt_counts = dict(reports["prompts"]["written"])
         if "aya" in reports:
             prompt_counts["aya"] = reports["aya"]["added"]
+        magpie = None
         if "magpie" in reports:
             prompt_counts["magpie"] = reports["magpie"]["added"]
+            magpie = reports["magpie"]["settings"] | {"teacher": self.portable([reports["magpie"]["settings"]["teacher"]])}
         return {
             "name": config["name"], "config": config.get("_config_file"), "k": config["k"],
             "base_model": role("base", self.args.base), "target_model": role("teacher", self.args.teacher),
             "tokenizer": role("tokenizer", self.args.tokenizer) or config.get("teacher"),
             "data": {"prompts_per_source": prompt_counts, "enable_thinking": reports["prompts"]["enable_thinking"],
                      "teacher_data": reports["data"],
-                     "magpie": reports.get("magpie", {}).get("settings"), "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})}},
+                     "magpie": magpie, "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})}},
             "recipe": {"distillation": distill["settings"], "quantization": gptq["settings"] | {"bits": 4, "store_dtype": gptq["store_dtype"],
                        "calibration_sequences": gptq["calibration_sequences"]}, "lora": lora["lora"] | {"settings": lora["settings"]}},
             "holdout_tau": {

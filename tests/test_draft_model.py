@@ -496,7 +496,10 @@ def naive_prompt_lookup(tokens: list[int], max_tokens: int, min_match: int, max_
     for n in range(min(max_match, len(tokens) - 1), min_match - 1, -1):
         for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
             if tokens[start : start + n] == tokens[-n:]:
-                return tokens[start + n : start + n + max_tokens]
+                extended = list(tokens)
+                for _ in range(max_tokens):  # copy one token at a time, each from the sequence so far
+                    extended.append(extended[start + n + len(extended) - len(tokens)])
+                return extended[len(tokens) :]
     return []
 
 
@@ -508,6 +511,7 @@ def test_prompt_lookup_finds_the_longest_latest_earlier_match():
             assert draft_model.prompt_lookup(tokens, 5, min_match) == naive_prompt_lookup(tokens, 5, min_match, draft_model.LOOKUP_MAX_MATCH)
     assert draft_model.prompt_lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, 3) == [8, 1]  # the latest of two occurrences
     assert draft_model.prompt_lookup([5, 6, 7, 5, 6], 4, 3) == []  # only a 2-token repeat
+    assert draft_model.prompt_lookup([4, 1, 2, 1, 2], 5, 2) == [1, 2, 1, 2, 1]  # a running loop continues past its period
 
 
 def test_hybrid_rows_copy_repeats_and_the_rest_draft_as_before(qwen3):
