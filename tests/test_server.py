@@ -5,6 +5,7 @@ sequence at a time, so a test fails if batching, queueing or prefix reuse ever c
 """
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -642,30 +643,38 @@ def test_unloadable_model_fails_startup_with_the_reason(repo_root: Path, tmp_pat
     assert "cannot load the model" in result.stderr and "model.safetensors" in result.stderr
 
 
-def test_shipped_model_package_serves_and_says_it_is_random(repo_root: Path, tmp_path: Path):
+def test_shipped_model_package_serves_its_own_vocabulary(repo_root: Path, tmp_path: Path):
+    """model/ is the distilled SmolLM2 drafter: SmolLM2 ids draft as draft_model drafts them in process;
+    Qwen3 ids (the product target's tokenizer) get a 400 that names the drafter's vocabulary."""
     model_dir = repo_root / "model"
     running = start_server(repo_root, model_dir, tmp_path / "server.log")
     try:
         health = httpx.get(running.url + "/health", timeout=10).json()
-        assert health["random_weights"] is True
-        assert health["model"]["quantization"]["method"] == "gptq"
-        assert health["model"]["vocab_size"] == 151936
-        tokens = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]  # a Qwen3 chat prefix
-        body = httpx.post(running.url + "/draft", json={"token_ids": tokens, "max_tokens": 8}, timeout=30).json()
+        assert health["random_weights"] is False
+        assert health["model"]["quantization"]["embedding_group_size"] == 32 and health["model"]["vocab_size"] == 49152
+        smollm2_chat = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198]
+        body = httpx.post(running.url + "/draft", json={"token_ids": smollm2_chat, "max_tokens": 8}, timeout=30).json()
         drafter = draft_model.load_model(model_dir, cache_slots=2)  # the server's defaults: device, dtype, weights auto
-        assert body["draft_token_ids"] == draft_model.draft_batch(drafter, [tokens], max_tokens=8)[0]
+        assert body["draft_token_ids"] == draft_model.draft_batch(drafter, [smollm2_chat], max_tokens=8)[0]
+        qwen3_chat = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+        refused = httpx.post(running.url + "/draft", json={"token_ids": qwen3_chat}, timeout=30)
+        assert refused.status_code == 400 and "SmolLM2" in refused.json()["detail"] and "0..49151" in refused.json()["detail"]
     finally:
         stop_server(running)
-    assert "RANDOM WEIGHTS" in running.log()
+    assert "RANDOM WEIGHTS" not in running.log()
 
 
-def test_make_random_package_reproduces_the_shipped_model(repo_root: Path, tmp_path: Path):
-    make_random_package.main(["--output", str(tmp_path / "package")])
+def test_shipped_model_is_what_architecture_json_records(repo_root: Path):
+    record = json.loads((repo_root / "architecture.json").read_text())
+    shipped = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted((repo_root / "model").iterdir())}
+    assert record["model_files_sha256"] == shipped
+    assert record["measured_tau"]["runs"] and all(run["check"] == "passed" for run in record["measured_tau"]["runs"])
+
+
+def test_make_random_package_is_reproducible(tmp_path: Path):
+    for name in ("a", "b"):
+        make_random_package.main(["--output", str(tmp_path / name), "--embedding-group-size", "32"])
     for name in ("model_int4.safetensors", "lora.safetensors"):
-        rebuilt, shipped = load_file(tmp_path / "package" / name), load_file(repo_root / "model" / name)
-        assert rebuilt.keys() == shipped.keys()
-        assert all(rebuilt[key].equal(shipped[key]) for key in shipped), name
-    for name in ("config.json", "quant_config.json", "lora_config.json"):
-        assert json.loads((tmp_path / "package" / name).read_text()) == json.loads(
-            (repo_root / "model" / name).read_text()
-        )
+        first, second = load_file(tmp_path / "a" / name), load_file(tmp_path / "b" / name)
+        assert first.keys() == second.keys() and all(first[key].equal(second[key]) for key in first), name
+    assert draft_model.load_model(tmp_path / "a", cache_slots=2).model.embed_tokens is None
