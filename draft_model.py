@@ -125,8 +125,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 for stability, cast back, then scale (the order transformers uses).
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -226,8 +225,8 @@ INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel a
 INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x slower on these CPUs
 # The kernel is a matrix-vector one: its cost grows with every row (27 ms for 2000 rows of a 512x2048
 # layer, against 2 ms dense in bf16). From this many rows (a prefill), unpacking the layer to bf16 and
-# one dense matmul is faster; unpacking costs about what the kernel spends on 150 rows.
-DENSE_PREFILL_ROWS = 256
+# one dense matmul is faster: unpacking a 3072x1024 layer takes 1.3 ms, what the kernel spends on ~40 rows.
+DENSE_PREFILL_ROWS = 64
 
 
 @functools.cache
@@ -236,15 +235,16 @@ def kernel_layout_is_known() -> bool:
     internal business, so check once per process on known values rather than trust it."""
     q = torch.randint(0, 16, (128, 64), dtype=torch.int32, device="cpu", generator=torch.Generator().manual_seed(0))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    return packed.shape == (128, 32) and torch.equal(_unpack_kernel_layout(packed, 128, 64), q)
+    return packed.shape == (128, 32) and torch.equal(_unpack_kernel_layout(packed, 128, 64), q.t())
 
 
 def _unpack_kernel_layout(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """The 4-bit values (N, K) of the CPU kernel's uint8 (N, K/2) layout: each block of 64 output rows is
-    stored as (K, 32) bytes, the low nibble holding rows 0..31 of the block and the high nibble rows 32..63."""
-    blocks = packed.view(out_features // 64, in_features, 32)
-    values = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # (N/64, K, 64)
-    return values.permute(0, 2, 1).reshape(out_features, in_features)
+    """The 4-bit values of the CPU kernel's uint8 (N, K/2) layout, transposed: (K, N). Each block of 64
+    output rows is stored as (K, 32) bytes, the low nibble holding rows 0..31 of the block and the high
+    nibble rows 32..63, so moving the K axis first is a copy of 32-byte runs and the nibbles then land in
+    row order; unpacking to (N, K) instead would transpose every byte."""
+    blocks = packed.view(out_features // 64, in_features, 32).transpose(0, 1).contiguous()  # (K, N/64, 32)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(in_features, out_features)
 
 
 class Int4Linear(nn.Module):
@@ -284,22 +284,25 @@ class Int4Linear(nn.Module):
         return None
 
     def dense_weight(self) -> torch.Tensor:
-        """The (N, K) bf16 weight the kernel multiplies by: (q - 8) * scale + offset, per group."""
-        q = _unpack_kernel_layout(self.packed_weight, self.out_features, self.in_features)
-        q = q.view(self.out_features, -1, self.group_size).to(INT4_KERNEL_DTYPE)  # (N, K/G, G)
-        scales, offsets = (t.t()[..., None] for t in self.scales_and_offsets.unbind(dim=-1))  # (N, K/G, 1)
-        return ((q - 8) * scales + offsets).view(self.out_features, self.in_features)
+        """The (N, K) bf16 weight the kernel multiplies by, (q - 8) * scale + offset per group, as the
+        transposed view of a contiguous (K, N) tensor: the layout the kernel's bytes unpack to cheaply,
+        and the one a prefill's x @ W^T wants."""
+        K, N, G = self.in_features, self.out_features, self.group_size
+        centred = (_unpack_kernel_layout(self.packed_weight, N, K).view(torch.int8) - 8).view(K // G, G, N)
+        # Contiguous (K/G, 1, N) scales: broadcasting the strided halves of scales_and_offsets is 5x slower.
+        scales, offsets = (t.contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1))
+        return torch.addcmul(offsets, centred.to(INT4_KERNEL_DTYPE), scales).view(K, N).t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (any shape) of the (N, K) weight, dequantized: (*ids.shape, K). A tied INT4 lm_head
-        serves as the embedding table this way, so one 4-bit copy does both jobs."""
+        """Rows `ids` (any shape) of the (N, K) weight, dequantized as dense_weight does: (*ids.shape, K).
+        A tied INT4 lm_head serves as the embedding table this way, so one 4-bit copy does both jobs."""
         flat = ids.reshape(-1)
         blocks = self.packed_weight.view(self.out_features // 64, self.in_features, 32)  # see _unpack_kernel_layout
         packed = blocks[flat // 64, :, flat % 32]  # (n, K) bytes holding each row's nibbles
         q = torch.where((flat % 64 < 32)[:, None], packed & 0xF, packed >> 4).view(len(flat), -1, self.group_size)
         scales, offsets = (t[:, flat].t()[..., None] for t in self.scales_and_offsets.unbind(dim=-1))  # (n, K/G, 1)
-        weights = (q.to(INT4_KERNEL_DTYPE) - 8) * scales + offsets
-        return weights.view(*ids.shape, self.in_features)
+        weights = torch.addcmul(offsets, q.to(INT4_KERNEL_DTYPE) - 8, scales)
+        return weights.reshape(*ids.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -319,16 +322,19 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
         super().__init__()
         self.base = base
-        self.lora_A = nn.Parameter(lora_A, requires_grad=False)  # (r, in)
-        self.lora_B = nn.Parameter(lora_B, requires_grad=False)  # (out, r)
+        self.lora_A = nn.Parameter(lora_A.float(), requires_grad=False)  # (r, in), fp32 whatever the model's dtype
+        self.lora_B = nn.Parameter(lora_B.float(), requires_grad=False)  # (out, r)
         self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        # The side matmuls run in the adapter's fp32: a rank-r bf16 GEMM costs ~7x an fp32 one here
+        # (oneDNN's bf16 set-up dominates such small products), and the adapter was trained in fp32.
+        side = F.linear(F.linear(x.float(), self.lora_A), self.lora_B) * self.scale
+        return self.base(x) + side.to(x.dtype)
 
     def merge(self) -> nn.Linear:
         """The plain Linear with W + scale * B @ A (computed in fp32, cast to the weight dtype)."""
-        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scale
+        delta = (self.lora_B @ self.lora_A) * self.scale
         merged = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None)
         merged.weight = nn.Parameter((self.base.weight.float() + delta).to(self.base.weight.dtype), requires_grad=False)
         merged.bias = self.base.bias
@@ -687,7 +693,7 @@ def _replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), attr, module)
 
 
-def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: bool) -> LoRAConfig:
+def _apply_lora(model: Transformer, lora_dir: Path, merge: bool) -> LoRAConfig:
     config_path, weights_path = lora_dir / PACKAGE_LORA_CONFIG, lora_dir / PACKAGE_LORA_WEIGHTS
     lora = LoRAConfig.from_peft(_read_json(config_path), config_path)
     targets = [name for name in _linear_names(model.cfg) if lora.targets(name)]
@@ -703,8 +709,8 @@ def _apply_lora(model: Transformer, lora_dir: Path, dtype: torch.dtype, merge: b
     for name in targets:
         wrapped = LoRALinear(
             model.get_submodule(name),
-            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"].to(dtype),
-            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(dtype),
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"],
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"],
             lora.scale,
         )
         keep_unmerged = not merge or isinstance(wrapped.base, Int4Linear)  # packed bits cannot absorb B @ A
@@ -809,7 +815,7 @@ def load_model(
 
     lora = None
     if use_lora and ((model_dir / PACKAGE_LORA_CONFIG).exists() or (model_dir / PACKAGE_LORA_WEIGHTS).exists()):
-        lora = _apply_lora(model, model_dir, dtype, merge=merge_lora)
+        lora = _apply_lora(model, model_dir, merge=merge_lora)
 
     card_path = model_dir / PACKAGE_MODEL_CARD
     model_card = _read_json(card_path) if card_path.exists() else {}
@@ -1166,7 +1172,7 @@ def _decode(
     alive = budget > 0  # rows still drafting
     longest = max(len(row) for row in rows)
     for step in range(steps):
-        token = logits.argmax(dim=-1)  # (B,)
+        token = logits.max(dim=-1).indices  # (B,); the first maximum, as argmax, which is 4x slower on bf16 rows
         tokens[:, step] = token
         if want_logprobs:
             logprobs[:, step] = logits.float().log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
