@@ -1170,7 +1170,9 @@ def _decode(
     logprobs = torch.zeros(len(rows), steps, device=device) if want_logprobs else None
     counts = torch.zeros(len(rows), dtype=torch.long, device=device)
     alive = budget > 0  # rows still drafting
-    longest = max(len(row) for row in rows)
+    # Every step attends over the same keys, through the last step's: shapes stay static across steps
+    # (what a captured CUDA graph needs), and the keys not yet written are masked and were zeroed.
+    kv_len = min(max(len(row) for row in rows) + steps, cache.max_len)
     for step in range(steps):
         token = logits.max(dim=-1).indices  # (B,); the first maximum, as argmax, which is 4x slower on bf16 rows
         tokens[:, step] = token
@@ -1185,6 +1187,6 @@ def _decode(
         # Feed each live row's new token at the next position; finished rows write to scratch.
         positions = torch.where(alive, lengths + step, 0)[:, None]
         write_slots = torch.where(alive, slot_ids, cache.scratch)[:, None]
-        at = ForwardInputs(positions, write_slots, slots, min(longest + step + 1, cache.max_len))
+        at = ForwardInputs(positions, write_slots, slots, kv_len)
         logits = model.logits(model(token[:, None], cache, at)[:, -1])
     return tokens, counts, logprobs
