@@ -227,6 +227,7 @@ INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x s
 # layer, against 2 ms dense in bf16). From this many rows (a prefill), unpacking the layer to bf16 and
 # one dense matmul is faster: unpacking a 3072x1024 layer takes 1.3 ms, what the kernel spends on ~40 rows.
 DENSE_PREFILL_ROWS = 64
+DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the kernel's 64-row blocks)
 
 
 @functools.cache
@@ -283,15 +284,17 @@ class Int4Linear(nn.Module):
             return "act-order g_idx reorders groups"
         return None
 
-    def dense_weight(self) -> torch.Tensor:
-        """The (N, K) bf16 weight the kernel multiplies by, (q - 8) * scale + offset per group, as the
-        transposed view of a contiguous (K, N) tensor: the layout the kernel's bytes unpack to cheaply,
-        and the one a prefill's x @ W^T wants."""
-        K, N, G = self.in_features, self.out_features, self.group_size
-        centred = (_unpack_kernel_layout(self.packed_weight, N, K).view(torch.int8) - 8).view(K // G, G, N)
-        # Contiguous (K/G, 1, N) scales: broadcasting the strided halves of scales_and_offsets is 5x slower.
-        scales, offsets = (t.contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1))
-        return torch.addcmul(offsets, centred.to(INT4_KERNEL_DTYPE), scales).view(K, N).t()
+    def dense_weight(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start..stop-1 (multiples of 64; default all) of the (N, K) bf16 weight the kernel multiplies
+        by, (q - 8) * scale + offset per group, as the transposed view of a contiguous (K, rows) tensor:
+        the layout the kernel's bytes unpack to cheaply, and the one a prefill's x @ W^T wants."""
+        K, G = self.in_features, self.group_size
+        stop = self.out_features if stop is None else stop
+        centred = _unpack_kernel_layout(self.packed_weight[start:stop], stop - start, K).view(torch.int8) - 8
+        # Contiguous (K/G, 1, rows) scales: broadcasting the strided halves of scales_and_offsets is 5x slower.
+        scales, offsets = (t[:, start:stop].contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1))
+        weight = torch.addcmul(offsets, centred.view(K // G, G, stop - start).to(INT4_KERNEL_DTYPE), scales)
+        return weight.view(K, stop - start).t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) of the (N, K) weight, dequantized as dense_weight does: (*ids.shape, K).
@@ -307,7 +310,10 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.dense_prefill and flat.shape[0] >= DENSE_PREFILL_ROWS:
-            out = flat @ self.dense_weight().t()
+            # Unpacked a block of rows at a time, so the temporaries stay small: unpacking a whole fused
+            # 6144x1024 layer at once cost 1.6x more per weight than 3072 rows (fresh pages every call).
+            blocks = range(0, self.out_features, DENSE_PREFILL_BLOCK)
+            out = torch.cat([flat @ self.dense_weight(b, min(b + DENSE_PREFILL_BLOCK, self.out_features)).t() for b in blocks], dim=-1)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_offsets)
         out = out.reshape(*x.shape[:-1], self.out_features)
@@ -342,6 +348,68 @@ class LoRALinear(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# Fused projections: q, k and v (and gate and up) read the same input, so after loading each group
+# becomes one module with the outputs concatenated; a decode step then makes one INT4 kernel call and
+# one pair of LoRA matmuls where it made three, which matters where per-call overhead is the cost.
+
+FUSED_PROJECTIONS = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+
+
+class Concat(nn.Module):
+    """The fallback when parts cannot share one matmul (mixed kinds): their outputs, concatenated."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def concat_outputs(parts: list[nn.Module]) -> nn.Module:
+    """One module computing the parts' outputs concatenated, as a single matmul where their kinds allow."""
+    adapters = [p for p in parts if isinstance(p, LoRALinear)]
+    if adapters and len({a.scale for a in adapters}) == 1:
+        # x A^T stacks every adapter's rank-r input; the block-diagonal B sends each to its own part's
+        # outputs, and nothing to a part without an adapter (an empty block: its side output is exactly 0).
+        bases = [p.base if isinstance(p, LoRALinear) else p for p in parts]
+        lora_A = torch.cat([a.lora_A for a in adapters])  # (adapters * r, in)
+        lora_B = torch.block_diag(*[p.lora_B if isinstance(p, LoRALinear) else torch.zeros(p.out_features, 0) for p in parts])
+        return LoRALinear(concat_outputs(bases), lora_A, lora_B, adapters[0].scale)
+    kinds, biases = {type(p) for p in parts}, [p.bias for p in parts]
+    if adapters or len(kinds) > 1 or len({b is None for b in biases}) > 1:
+        return Concat(parts)
+    in_features, out_features = parts[0].in_features, sum(p.out_features for p in parts)
+    bias = {} if biases[0] is None else {"bias": torch.cat(biases)}
+    if kinds == {nn.Linear}:
+        with torch.device("meta"):
+            fused = nn.Linear(in_features, out_features, bias=bool(bias))
+        fused.load_state_dict({"weight": torch.cat([p.weight for p in parts])} | bias, assign=True)
+        return fused
+    if kinds == {Int4Linear} and len({p.group_size for p in parts}) == 1 and all(p.out_features % 64 == 0 for p in parts):
+        # The kernel stores 64 output rows per block, so whole blocks concatenate like rows.
+        with torch.device("meta"):
+            fused = Int4Linear(in_features, out_features, parts[0].group_size, bias=bool(bias))
+        state = {
+            "packed_weight": torch.cat([p.packed_weight for p in parts]),
+            "scales_and_offsets": torch.cat([p.scales_and_offsets for p in parts], dim=1),  # (K/G, N, 2)
+        }
+        fused.load_state_dict(state | bias, assign=True)
+        return fused
+    return Concat(parts)
+
+
+def fuse_projections(model: "Transformer") -> None:
+    """Replace each layer's q/k/v and gate/up projections by their fused module (load_model calls this)."""
+    for layer in model.layers:
+        for block_name, (fused_name, names) in FUSED_PROJECTIONS.items():
+            block = getattr(layer, block_name)
+            setattr(block, fused_name, concat_outputs([getattr(block, name) for name in names]))
+            for name in names:
+                delattr(block, name)
+
+
+# ----------------------------------------------------------------------------------------------
 # Attention, MLP, block, model. Module names mirror transformers', so checkpoint keys map 1:1.
 
 
@@ -356,6 +424,9 @@ class ForwardInputs:
 
 
 class Attention(nn.Module):
+    """q_proj, k_proj and v_proj carry the checkpoint's names; load_model fuses them into one qkv_proj
+    (fuse_projections), which forward uses."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -369,9 +440,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: "KVCache", layer: int, at: ForwardInputs) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        heads = self.qkv_proj(x).view(B, T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -382,6 +452,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate_proj and up_proj are fused into gate_up_proj at load, like q, k and v."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -389,7 +461,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -816,6 +889,7 @@ def load_model(
     lora = None
     if use_lora and ((model_dir / PACKAGE_LORA_CONFIG).exists() or (model_dir / PACKAGE_LORA_WEIGHTS).exists()):
         lora = _apply_lora(model, model_dir, merge=merge_lora)
+    fuse_projections(model)
 
     card_path = model_dir / PACKAGE_MODEL_CARD
     model_card = _read_json(card_path) if card_path.exists() else {}
@@ -962,9 +1036,22 @@ class Drafter:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The dense weights under Hugging Face names (LoRA merged): load them into the matching
         transformers model to train or compare on exactly what this drafter computes with."""
-        if any(isinstance(m, (Int4Linear, LoRALinear)) for m in self.model.modules()):
+        if any(isinstance(m, (Int4Linear, LoRALinear, Concat)) for m in self.model.modules()):
             raise ValueError("hf_state_dict needs dense, merged weights: load with weights='dequant' and merge_lora=True")
-        return {_hf_name(name): tensor for name, tensor in self.model.state_dict().items()}
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        split_sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        part_names = dict(FUSED_PROJECTIONS.values())
+        state = {}
+        for name, tensor in self.model.state_dict().items():
+            module, leaf = name.rsplit(".", 1)  # layers.0.self_attn.qkv_proj, weight
+            parent, _, fused = module.rpartition(".")
+            if fused not in part_names:
+                state[_hf_name(name)] = tensor
+                continue
+            for part, piece in zip(part_names[fused], tensor.split(split_sizes[fused])):
+                state[_hf_name(f"{parent}.{part}.{leaf}")] = piece
+        return state
 
     def describe(self) -> dict:
         """JSON-ready identity and limits (the server's /health)."""

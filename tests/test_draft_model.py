@@ -301,9 +301,11 @@ def test_gptq_checkpoint_loads_to_the_weights_the_format_defines(tmp_path, case)
     write_gptq_checkpoint(hf_model, tmp_path, gptq, quant_config, case["as_package"])
     drafter = draft_model.load_model(tmp_path, cache_slots=4, weights="dequant")
     assert drafter.dtype == torch.float32 and drafter.weights == "dense"
-    reference = dict(hf_model.named_parameters())
-    for name, parameter in drafter.model.named_parameters():
-        assert torch.equal(parameter, reference["model." + name if not name.startswith("lm_head") else name]), name
+    reference = hf_model.state_dict()
+    loaded = drafter.hf_state_dict()  # the fused q/k/v and gate/up weights split back under their names
+    assert loaded.keys() - reference.keys() <= {"lm_head.weight"}  # a tied head may be left out of the reference
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
     assert drafter.quantization["group_size"] == case["group_size"]
     row = random_rows([50], seed=11)[0]
     assert draft_model.draft_batch(drafter, [row], max_tokens=12)[0] == reference_greedy(hf_model, row, 12)
@@ -374,7 +376,8 @@ def test_lora_matches_peft_merged_and_unmerged(tmp_path, overrides):
         expected = peft_model(torch.tensor([tokens])).logits[0]
     unmerged = draft_model.load_model(directory, cache_slots=2, merge_lora=False)
     merged = draft_model.load_model(directory, cache_slots=2)
-    assert isinstance(unmerged.model.layers[0].mlp.down_proj if not overrides else unmerged.model.layers[0].mlp.up_proj, draft_model.LoRALinear)
+    # down_proj: adapted alone; gate/up: both adapted, fused into one LoRALinear
+    assert isinstance(unmerged.model.layers[0].mlp.down_proj if not overrides else unmerged.model.layers[0].mlp.gate_up_proj, draft_model.LoRALinear)
     assert unmerged.lora_rank == merged.lora_rank == 4
     assert (forward_all(unmerged, tokens) - expected).abs().max() <= 1e-4
     assert (forward_all(merged, tokens) - expected).abs().max() <= 1e-4
@@ -457,13 +460,45 @@ def test_packed_lora_stays_unmerged_beside_int4(gptq_package):
     hf_model, directory = gptq_package
     peft_model = add_peft_adapter(hf_model, directory)
     drafter = draft_model.load_model(directory, cache_slots=2)
-    q_proj = drafter.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, draft_model.LoRALinear) and isinstance(q_proj.base, draft_model.Int4Linear)
+    qkv_proj = drafter.model.layers[0].self_attn.qkv_proj  # q, k and v fused: one LoRA pair beside INT4 bases
+    assert isinstance(qkv_proj, draft_model.LoRALinear) and any(isinstance(m, draft_model.Int4Linear) for m in qkv_proj.base.modules())
     tokens = random_rows([30], seed=18)[0]
     with torch.no_grad():
         expected = peft_model(torch.tensor([tokens])).logits[0]
     error = (forward_all(drafter, tokens) - expected).abs().max() / expected.abs().max()
     assert error < 5e-2
+
+
+def test_fused_projections_compute_what_their_parts_do():
+    """q, k and v (and gate and up) become one module at load: one INT4 kernel call and one LoRA pair."""
+    generator = torch.Generator().manual_seed(41)
+    in_features, group_size, rank = 128, 32, 4
+    parts = []
+    for out_features in (128, 64, 64):
+        layer = draft_model.Int4Linear(in_features, out_features, group_size, bias=False)
+        gptq = draft_model.rtn_quantize(torch.randn(out_features, in_features, generator=generator), group_size, sym=False)
+        layer.load_state_dict(draft_model.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
+        parts.append(layer)
+    # The first and last parts carry adapters, the middle one none (a target_modules subset).
+    parts[0], parts[2] = (
+        draft_model.LoRALinear(p, torch.randn(rank, in_features, generator=generator), torch.randn(p.out_features, rank, generator=generator), 0.5)
+        for p in (parts[0], parts[2])
+    )
+    fused = draft_model.concat_outputs(parts)
+    assert isinstance(fused, draft_model.LoRALinear) and isinstance(fused.base, draft_model.Int4Linear)
+    for rows in (1, draft_model.DENSE_PREFILL_ROWS):  # the kernel's path and the unpacked one
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        expected = torch.cat([part(x) for part in parts], dim=-1)
+        torch.testing.assert_close(fused(x), expected, rtol=1e-2, atol=1e-2)  # bf16 outputs, fp32 side matmuls
+        unadapted = slice(128, 192)
+        assert torch.equal(fused(x)[:, unadapted], parts[1](x))  # its block of B is empty: exactly the base
+    dense = [torch.nn.Linear(in_features, n, bias=True) for n in (96, 32)]
+    fused_dense = draft_model.concat_outputs(dense)
+    assert isinstance(fused_dense, torch.nn.Linear)
+    x = torch.randn(3, in_features, generator=generator)
+    torch.testing.assert_close(fused_dense(x), torch.cat([d(x) for d in dense], dim=-1), rtol=1e-6, atol=1e-6)
+    mixed = draft_model.concat_outputs([dense[0], parts[1]])  # a dense fallback beside an INT4 layer
+    assert isinstance(mixed, draft_model.Concat)
 
 
 def test_act_order_layers_fall_back_to_dense(tmp_path, caplog):
