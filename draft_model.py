@@ -329,18 +329,17 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.lora_A = nn.Parameter(lora_A.float(), requires_grad=False)  # (r, in), fp32 whatever the model's dtype
-        self.lora_B = nn.Parameter(lora_B.float(), requires_grad=False)  # (out, r)
-        self.scale = scale
+        self.lora_B = nn.Parameter(lora_B.float() * scale, requires_grad=False)  # (out, r), the scale folded in
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The side matmuls run in the adapter's fp32: a rank-r bf16 GEMM costs ~7x an fp32 one here
         # (oneDNN's bf16 set-up dominates such small products), and the adapter was trained in fp32.
-        side = F.linear(F.linear(x.float(), self.lora_A), self.lora_B) * self.scale
-        return self.base(x) + side.to(x.dtype)
+        side = F.linear(F.linear(x.float(), self.lora_A), self.lora_B)
+        return self.base(x).add_(side)  # added in fp32, rounded once to the base's dtype
 
     def merge(self) -> nn.Linear:
         """The plain Linear with W + scale * B @ A (computed in fp32, cast to the weight dtype)."""
-        delta = (self.lora_B @ self.lora_A) * self.scale
+        delta = self.lora_B @ self.lora_A
         merged = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None)
         merged.weight = nn.Parameter((self.base.weight.float() + delta).to(self.base.weight.dtype), requires_grad=False)
         merged.bias = self.base.bias
@@ -369,15 +368,15 @@ class Concat(nn.Module):
 def concat_outputs(parts: list[nn.Module]) -> nn.Module:
     """One module computing the parts' outputs concatenated, as a single matmul where their kinds allow."""
     adapters = [p for p in parts if isinstance(p, LoRALinear)]
-    if adapters and len({a.scale for a in adapters}) == 1:
+    if adapters:
         # x A^T stacks every adapter's rank-r input; the block-diagonal B sends each to its own part's
         # outputs, and nothing to a part without an adapter (an empty block: its side output is exactly 0).
         bases = [p.base if isinstance(p, LoRALinear) else p for p in parts]
         lora_A = torch.cat([a.lora_A for a in adapters])  # (adapters * r, in)
         lora_B = torch.block_diag(*[p.lora_B if isinstance(p, LoRALinear) else torch.zeros(p.out_features, 0) for p in parts])
-        return LoRALinear(concat_outputs(bases), lora_A, lora_B, adapters[0].scale)
+        return LoRALinear(concat_outputs(bases), lora_A, lora_B, scale=1.0)  # each B carries its own scale
     kinds, biases = {type(p) for p in parts}, [p.bias for p in parts]
-    if adapters or len(kinds) > 1 or len({b is None for b in biases}) > 1:
+    if len(kinds) > 1 or len({b is None for b in biases}) > 1:
         return Concat(parts)
     in_features, out_features = parts[0].in_features, sum(p.out_features for p in parts)
     bias = {} if biases[0] is None else {"bias": torch.cat(biases)}
@@ -421,6 +420,9 @@ class ForwardInputs:
     write_slots: torch.Tensor  # (B, T) cache slot receiving each token's KV (the scratch slot for padding)
     read_slots: list[int]  # (B,) the slot each row attends over
     kv_len: int  # keys 0..kv_len-1 of each read slot may be attended (the mask narrows it per row)
+    # Every row's tokens sit at positions 0..T-1 and the keys are exactly theirs (kv_len == T): the
+    # plain causal mask, which attention applies without a mask tensor and skipping the masked blocks.
+    causal: bool = False
 
 
 class Attention(nn.Module):
@@ -447,7 +449,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, at.write_slots, at.positions, k, v)
         keys, values = cache.read(layer, at.read_slots, at.kv_len)  # (B, H_kv, kv_len, D)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -501,7 +503,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(at.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         # A query sees every key at or before its own position in its row's slot: (B, 1, T, kv_len).
         key_positions = torch.arange(at.kv_len, device=token_ids.device)
-        mask = (key_positions[None, None, :] <= at.positions[:, :, None])[:, None]
+        mask = None if at.causal else (key_positions[None, None, :] <= at.positions[:, :, None])[:, None]
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, cache, i, at)
         return self.norm(x)
@@ -1223,7 +1225,9 @@ def _prefill(model: Transformer, cache: KVCache, rows: list[list[int]], slots: l
             positions.append(list(range(r + start, r + start + len(part))) + [0] * pad)
             write_slots.append([slot] * len(part) + [cache.scratch] * pad)
         kv_len = max(r + min(len(s), start + width) for s, r in zip(suffixes, reused))
-        at = ForwardInputs(torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), slots, kv_len)
+        # A padding query sees keys of its row's slot under the causal mask too; its output is dropped.
+        causal = start == 0 and not any(reused)
+        at = ForwardInputs(torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), slots, kv_len, causal)
         hidden = model(torch.tensor(token_ids, device=device), cache, at)  # (B, width, hidden)
         for b, suffix in enumerate(suffixes):
             if start <= len(suffix) - 1 < start + width:
