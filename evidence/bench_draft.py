@@ -1,10 +1,11 @@
 """Draft latency of our drafter (packed INT4 and dequantized) against transformers generate(), same weights, one run.
 
 For each model shape it writes a random GPTQ package with evidence/make_random_package.py (random
-weights time exactly like trained ones), loads it three ways, and times 16-token greedy drafts:
+weights time exactly like trained ones), loads it two or three ways, and times 16-token greedy drafts:
 
   ours packed    draft_model, GPTQ linears kept at 4 bits on PyTorch's CPU INT4 kernel (bf16)
-  ours packed+q-head   the same with the lm_head rounded to INT4 at load (quantize_lm_head)
+  ours packed+q-head   the same with the lm_head rounded to INT4 at load (quantize_lm_head); only for
+                 packages whose tied table is bf16 (with --embedding-group-size the head already is INT4)
   ours dequant   draft_model, weights dequantized to fp32 (the exact path)
   hf bf16        transformers generate() on the same dequantized weights (LoRA merged) in bf16,
                  its fastest dtype on these CPUs (--hf-dtypes adds float32)
@@ -121,11 +122,10 @@ def agreement(packed: draft_model.Drafter, dense: draft_model.Drafter, prompts: 
 def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
     max_context = max(args.contexts) + DRAFT_TOKENS + ACCEPTED + 1
     slots = 2 * max(args.batch_sizes)
-    ours = {
-        "ours packed": draft_model.load_model(package, cache_slots=slots, max_context=max_context),
-        "ours packed+q-head": draft_model.load_model(package, cache_slots=slots, max_context=max_context, quantize_lm_head=True),
-        "ours dequant": draft_model.load_model(package, cache_slots=slots, max_context=max_context, weights="dequant"),
-    }
+    ours = {"ours packed": draft_model.load_model(package, cache_slots=slots, max_context=max_context)}
+    if not isinstance(ours["ours packed"].model.lm_head, draft_model.Int4Linear):  # else the INT4 table already is the head
+        ours["ours packed+q-head"] = draft_model.load_model(package, cache_slots=slots, max_context=max_context, quantize_lm_head=True)
+    ours["ours dequant"] = draft_model.load_model(package, cache_slots=slots, max_context=max_context, weights="dequant")
     dense = ours["ours dequant"]
     theirs = {f"hf {dtype}": transformers_model(dense, package, getattr(torch, dtype)) for dtype in args.hf_dtypes}
     memory = {path: drafter.weight_bytes() for path, drafter in ours.items()}
