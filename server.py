@@ -773,6 +773,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if not draft_model.reuse_freed_memory():
+        log.info("malloc is not glibc's: freed prefill buffers go back to the OS (long prefills run slower)")
     signal.signal(signal.SIGTERM, exit_after_graceful_shutdown)
     signal.signal(signal.SIGINT, exit_after_graceful_shutdown)
     uvicorn.run(

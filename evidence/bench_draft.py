@@ -45,6 +45,7 @@ SHAPES = {  # make_random_package.py flags; real Qwen3 vocabulary, tied embeddin
 }
 DRAFT_TOKENS = 16
 ACCEPTED = 8  # draft tokens the follow-up request keeps, before the target's bonus token
+AGREEMENT_ROWS = 32  # prompts whose packed and dequantized drafts are compared
 
 
 def make_package(shape: str, directory: Path, lora_rank: int, embedding_group_size: int | None) -> Path:
@@ -109,7 +110,7 @@ def time_transformers(model: transformers.PreTrainedModel, prompts: Prompts, bat
         }
 
 
-def agreement(packed: draft_model.Drafter, dense: draft_model.Drafter, prompts: Prompts, rows: int = 8) -> float:
+def agreement(packed: draft_model.Drafter, dense: draft_model.Drafter, prompts: Prompts, rows: int = AGREEMENT_ROWS) -> float:
     """Fraction of draft positions where packed (bf16) and dequantized (fp32) drafts give the same token."""
     batch = prompts.rows(rows, 64)
     same = total = 0
@@ -121,7 +122,7 @@ def agreement(packed: draft_model.Drafter, dense: draft_model.Drafter, prompts: 
 
 def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
     max_context = max(args.contexts) + DRAFT_TOKENS + ACCEPTED + 1
-    slots = 2 * max(args.batch_sizes)
+    slots = 2 * max(*args.batch_sizes, AGREEMENT_ROWS)
     ours = {"ours packed": draft_model.load_model(package, cache_slots=slots, max_context=max_context)}
     if not isinstance(ours["ours packed"].model.lm_head, draft_model.Int4Linear):  # else the INT4 table already is the head
         ours["ours packed+q-head"] = draft_model.load_model(package, cache_slots=slots, max_context=max_context, quantize_lm_head=True)
@@ -188,7 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads", flush=True)
+    allocator = "glibc malloc keeps freed blocks" if draft_model.reuse_freed_memory() else "default allocator"  # as the server
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, {allocator}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         targets = [(shape, make_package(shape, Path(scratch), args.lora_rank, args.embedding_group_size)) for shape in args.shapes]
