@@ -603,7 +603,7 @@ def startup_summary(identity: dict, settings: ServerSettings, load_seconds: floa
         f"lora r={identity['lora_rank']}, {random_text}device {identity['device']}, dtype {identity['dtype']}, "
         f"weights {identity['weights']}, max_context {identity['max_context']}, "
         f"cache_slots {identity['cache_slots']}, max_batch_size {settings.max_batch_size}, "
-        f"auth {'on' if settings.api_key else 'off'}"
+        f"threads {torch.get_num_threads()}, auth {'on' if settings.api_key else 'off'}"
     )
 
 
@@ -708,8 +708,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=positive_int,
         default=None,
-        help="CPU threads for drafting (None: torch's, one per core); a tiny drafter on a busy "
-        "machine is often fastest with 1",
+        help="CPU threads for drafting (default: one fewer than torch's one per core, at least 1: a core left to the "
+        "HTTP event loop; on 2 cores a draft sharing both took 197 ms against 109 ms on one)",
     )
     parser.add_argument(
         "--api-key-file",
@@ -771,8 +771,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
     )
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
     if not draft_model.reuse_freed_memory():
         log.info("malloc is not glibc's: freed prefill buffers go back to the OS (long prefills run slower)")
     signal.signal(signal.SIGTERM, exit_after_graceful_shutdown)
