@@ -37,6 +37,7 @@ import transformers
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import draft_model  # noqa: E402
+import int4  # noqa: E402
 
 SHAPES = {  # make_random_package.py flags; real Qwen3 vocabulary, tied embeddings, group 128
     "qwen3-180m": "--hidden-size 512 --intermediate-size 2048 --layers 24 --heads 8 --kv-heads 4 --head-dim 64",
@@ -124,7 +125,7 @@ def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
     max_context = max(args.contexts) + DRAFT_TOKENS + ACCEPTED + 1
     slots = 2 * max(*args.batch_sizes, AGREEMENT_ROWS)
     ours = {"ours packed": draft_model.load_model(package, cache_slots=slots, max_context=max_context)}
-    if not isinstance(ours["ours packed"].model.lm_head, draft_model.Int4Linear):  # else the INT4 table already is the head
+    if not isinstance(ours["ours packed"].model.lm_head, int4.Int4Linear):  # else the INT4 table already is the head
         ours["ours packed+q-head"] = draft_model.load_model(package, cache_slots=slots, max_context=max_context, quantize_lm_head=True)
     ours["ours dequant"] = draft_model.load_model(package, cache_slots=slots, max_context=max_context, weights="dequant")
     dense = ours["ours dequant"]

@@ -17,7 +17,7 @@ GPTQ tensors model.embed_tokens.{qweight,qzeros,scales,g_idx}; quant_config.json
 
 Reads: the student (HF directory from train_drafter.py), DATA_DIR (gen_data.py; train rows calibrate,
 holdout rows measure). Writes PACKAGE_DIR: config.json, generation_config.json, quant_config.json,
-model_int4.safetensors (packed with draft_model.gptq_pack), model_card.json; beside it
+model_int4.safetensors (packed with int4.gptq_pack), model_card.json; beside it
 PACKAGE_DIR.gptq_drafter.json (holdout tau of the student and of INT4, top-1 agreement INT4 vs student)
 and the log PACKAGE_DIR.gptq_drafter.log.
 
@@ -39,7 +39,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+import checkpoint
 import draft_model
+import int4
 from evidence import common
 from evidence.gen_data import load_examples
 from evidence.tau import argmax_agreement, tau_from_matches, teacher_forced_argmax
@@ -80,7 +82,7 @@ class QuantizedLinear:
         return QuantizedLinear(*(t.to(device) for t in (self.int_weight, self.zeros, self.scales, self.g_idx)))
 
     def pack(self) -> dict[str, torch.Tensor]:
-        return draft_model.gptq_pack(self.int_weight, self.zeros, self.scales, self.g_idx)
+        return int4.gptq_pack(self.int_weight, self.zeros, self.scales, self.g_idx)
 
 
 def group_params(columns: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +257,7 @@ def quantize_model(model: torch.nn.Module, sequences: list[torch.Tensor], settin
 
 def packed_weight(result: QuantizedLinear) -> torch.Tensor:
     """The weight [out, in] exactly as a loader reads it back from the package."""
-    return draft_model.gptq_dequantize(**result.pack(), checkpoint_format="gptq")
+    return int4.gptq_dequantize(**result.pack(), checkpoint_format="gptq")
 
 
 def hessian_error(original: torch.Tensor, result: QuantizedLinear, hessian: torch.Tensor) -> float:
@@ -301,17 +303,17 @@ def check_embedding_group_size(model: torch.nn.Module, group_size: int, logger) 
     vocab, hidden = model.get_input_embeddings().weight.shape
     if hidden % group_size:
         raise common.UserError(f"--embedding-group-size {group_size} does not divide the hidden size {hidden}")
-    if group_size not in draft_model.INT4_KERNEL_GROUP_SIZES or vocab % 64:
+    if group_size not in int4.INT4_KERNEL_GROUP_SIZES or vocab % 64:
         logger.warning("the packed INT4 path reads the table with groups in %s and a vocabulary divisible by 64 (here %d, %d): it will load dense",
-                       draft_model.INT4_KERNEL_GROUP_SIZES, group_size, vocab)
+                       int4.INT4_KERNEL_GROUP_SIZES, group_size, vocab)
 
 
 @torch.no_grad()
 def quantize_embedding(model: torch.nn.Module, group_size: int) -> dict[str, torch.Tensor]:
     """Round the tied embedding table to 4 bits (RTN, asymmetric) in place; its GPTQ tensors."""
     table = model.get_input_embeddings().weight  # [vocab, hidden]: a linear of in=hidden, out=vocab
-    gptq = draft_model.rtn_quantize(table.float().cpu(), group_size, sym=False)
-    table.copy_(draft_model.gptq_dequantize(**gptq).to(table.dtype))
+    gptq = int4.rtn_quantize(table.float().cpu(), group_size, sym=False)
+    table.copy_(int4.gptq_dequantize(**gptq).to(table.dtype))
     return gptq
 
 
@@ -328,9 +330,9 @@ def write_package(out_dir: Path, model: torch.nn.Module, tensors: dict[str, torc
         model.config.save_pretrained(staging)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(staging)
-        (staging / draft_model.PACKAGE_QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
-        (staging / draft_model.PACKAGE_MODEL_CARD).write_text(json.dumps(model_card, indent=2) + "\n")
-        save_file(tensors, str(staging / draft_model.PACKAGE_WEIGHTS), metadata={"format": "pt"})
+        (staging / checkpoint.PACKAGE_QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
+        (staging / checkpoint.PACKAGE_MODEL_CARD).write_text(json.dumps(model_card, indent=2) + "\n")
+        save_file(tensors, str(staging / checkpoint.PACKAGE_WEIGHTS), metadata={"format": "pt"})
 
 
 def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_size: int | None) -> dict:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import draft_model
+import checkpoint
 from evidence import common
 from evidence.gen_data import load_examples
 from evidence.gptq_drafter import dequantized_model
@@ -51,8 +51,8 @@ def write_adapter(peft_model: torch.nn.Module, package_dir: Path, base_name: str
         peft_model.save_pretrained(staging, safe_serialization=True)
         config = json.loads((Path(staging) / "adapter_config.json").read_text())
         config["base_model_name_or_path"] = base_name  # not the local path the weights were read from
-        common.atomic_write_json(package_dir / draft_model.PACKAGE_LORA_CONFIG, config)
-        with common.atomic_path(package_dir / draft_model.PACKAGE_LORA_WEIGHTS) as temporary:
+        common.atomic_write_json(package_dir / checkpoint.PACKAGE_LORA_CONFIG, config)
+        with common.atomic_path(package_dir / checkpoint.PACKAGE_LORA_WEIGHTS) as temporary:
             shutil.copyfile(Path(staging) / "adapter_model.safetensors", temporary)
 
 
@@ -79,15 +79,15 @@ def main(argv: list[str] | None = None) -> dict:
         raise common.UserError(f"--target-modules {unknown} are not projections; choose from {list(PROJECTIONS)}")
     logger = common.setup_logging(common.log_path_beside(args.package, "lora_after_gptq"), "lora_after_gptq")
     logger.info("command: python evidence/lora_after_gptq.py %s", " ".join(sys.argv[1:] if argv is None else argv))
-    if not (args.package / draft_model.PACKAGE_WEIGHTS).is_file():
-        raise common.UserError(f"--package {args.package} has no {draft_model.PACKAGE_WEIGHTS}; run gptq_drafter.py first")
+    if not (args.package / checkpoint.PACKAGE_WEIGHTS).is_file():
+        raise common.UserError(f"--package {args.package} has no {checkpoint.PACKAGE_WEIGHTS}; run gptq_drafter.py first")
     torch.manual_seed(settings.seed)
     device = common.pick_device(args.device)
     train_examples, holdout = load_examples(args.data, "train"), load_examples(args.data, "holdout")
     model = dequantized_model(args.package, device=device, with_lora=False).requires_grad_(False)
     peft_model = add_lora(model, args.rank, args.alpha, args.dropout, args.target_modules)
     result = train(peft_model, train_examples, holdout, settings, logger)
-    card = common.read_json(args.package / draft_model.PACKAGE_MODEL_CARD, "model card")
+    card = common.read_json(args.package / checkpoint.PACKAGE_MODEL_CARD, "model card")
     write_adapter(peft_model, args.package, card.get("name", "drafter-int4"))
     written = dequantized_model(args.package, device=device, with_lora=True)
     after = offline_tau(written, holdout, settings.k, settings.eval_batch_size, progress=False)

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # draft_model lives at the repo root
 import draft_model  # noqa: E402
+import int4  # noqa: E402
 
 PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -91,14 +92,14 @@ def random_weights(config: dict, group_size: int, embedding_group_size: int | No
 
     table = normal(config["vocab_size"], config["hidden_size"])
     if embedding_group_size:  # the tied table as GPTQ tensors too (quant_config "quantized_embedding")
-        tensors = {f"model.embed_tokens.{part}": t for part, t in draft_model.rtn_quantize(table, embedding_group_size, sym=False).items()}
+        tensors = {f"model.embed_tokens.{part}": t for part, t in int4.rtn_quantize(table, embedding_group_size, sym=False).items()}
     else:
         tensors = {"model.embed_tokens.weight": table.to(torch.bfloat16)}
     ones = {"hidden": torch.ones(config["hidden_size"]), "head": torch.ones(config["head_dim"])}
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         for module, (out_features, in_features) in projection_shapes(config).items():
-            for part, tensor in draft_model.rtn_quantize(normal(out_features, in_features), group_size, sym=True).items():
+            for part, tensor in int4.rtn_quantize(normal(out_features, in_features), group_size, sym=True).items():
                 tensors[f"{prefix}.{module}.{part}"] = tensor
         tensors[f"{prefix}.input_layernorm.weight"] = ones["hidden"].to(torch.bfloat16)
         tensors[f"{prefix}.post_attention_layernorm.weight"] = ones["hidden"].to(torch.bfloat16)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+import checkpoint
 import draft_model
 from evidence import common
 
@@ -217,7 +218,7 @@ class Pipeline:
         ]
         self.run_stage("gptq", "gptq_drafter", gptq_argv, [package])
         lora_argv = ["--package", str(package), "--data", str(data), "--k", k, *flags(config["lora"])]
-        self.run_stage("lora", "lora_after_gptq", lora_argv, [package / draft_model.PACKAGE_LORA_WEIGHTS])
+        self.run_stage("lora", "lora_after_gptq", lora_argv, [package / checkpoint.PACKAGE_LORA_WEIGHTS])
 
         if self.args.eval_prompts:  # last: nothing trained depends on it
             eval_data = self.path("eval_data")

@@ -9,7 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_hf_model, write_hf_checkpoint
 
+import checkpoint
 import draft_model
+import int4
+import transformer
 
 # (architecture, overrides): tied and untied, GQA ratios 1/2/4, head_dim != hidden/heads, rope thetas.
 FORWARD_CASES = [
@@ -26,7 +29,7 @@ FORWARD_CASES = [
 def forward_all(drafter: draft_model.Drafter, tokens: list[int]) -> torch.Tensor:
     """Our logits for every position of one sequence in one forward through cache slot 0: (T, vocab)."""
     T = len(tokens)
-    at = draft_model.ForwardInputs(torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long), [0], T)
+    at = transformer.ForwardInputs(torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long), [0], T)
     return drafter.model.logits(drafter.model(torch.tensor([tokens]), drafter.cache, at))[0]
 
 
@@ -34,7 +37,7 @@ def forward_stepwise(drafter: draft_model.Drafter, tokens: list[int]) -> torch.T
     """Our logits fed one token at a time, each step reading the KV cached by the previous ones: (T, vocab)."""
     logits = []
     for t, token in enumerate(tokens):
-        at = draft_model.ForwardInputs(torch.tensor([[t]]), torch.zeros(1, 1, dtype=torch.long), [0], t + 1)
+        at = transformer.ForwardInputs(torch.tensor([[t]]), torch.zeros(1, 1, dtype=torch.long), [0], t + 1)
         logits.append(drafter.model.logits(drafter.model(torch.tensor([[token]]), drafter.cache, at))[0, 0])
     return torch.stack(logits)
 
@@ -73,7 +76,7 @@ def test_logits_match_transformers(tmp_path, architecture, overrides):
 
 def test_config_reads_legacy_top_level_rope_theta():
     legacy = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, rope_theta=1e6)
-    assert draft_model.ModelConfig.from_hf(legacy).rope_theta == 1e6
+    assert checkpoint.model_config(legacy).rope_theta == 1e6
 
 
 @pytest.mark.parametrize(
@@ -84,7 +87,7 @@ def test_unsupported_config_is_refused(field, value):
     config = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     config[field] = value
     with pytest.raises(draft_model.ModelLoadError, match=field.split("_")[0]):
-        draft_model.ModelConfig.from_hf(config)
+        checkpoint.model_config(config)
 
 
 # ---- greedy drafting
@@ -226,21 +229,21 @@ def test_bad_rows_are_refused(qwen3, row, message):
 
 def test_int4_packing_is_low_nibble_first_and_round_trips():
     nibbles = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
-    packed = draft_model.pack_int4(nibbles[:, None], dim=0)
+    packed = int4.pack_int4(nibbles[:, None], dim=0)
     assert packed.dtype == torch.int32 and packed.item() == 0x87654321 - 2**32
     values = torch.randint(0, 16, (16, 24))
     for dim in (0, 1):
-        assert torch.equal(draft_model.unpack_int4(draft_model.pack_int4(values, dim), dim), values)
+        assert torch.equal(int4.unpack_int4(int4.pack_int4(values, dim), dim), values)
 
 
 def test_v1_checkpoints_store_zero_minus_one():
     ints = torch.randint(0, 16, (8, 32))
     zeros = torch.full((1, 8), 8)
-    tensors = draft_model.gptq_pack(ints, zeros, torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
+    tensors = int4.gptq_pack(ints, zeros, torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
     assert tensors["qzeros"].item() == 0x77777777  # every symmetric zero 8 stored as 7
-    asymmetric = draft_model.gptq_pack(ints, torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
+    asymmetric = int4.gptq_pack(ints, torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
     assert asymmetric["qzeros"].item() == -1  # zero 0 is stored as 15 in every nibble
-    weight = draft_model.gptq_dequantize(**asymmetric)
+    weight = int4.gptq_dequantize(**asymmetric)
     assert torch.equal(weight, ints.float())
 
 
@@ -263,7 +266,7 @@ def quantize_into(hf_model, group_size: int, sym: bool, desc_act: bool, seed: in
         columns = torch.randperm(in_features, generator=generator) if desc_act else torch.arange(in_features)
         g_idx = (columns // group_size).int()  # act-order: each column's group follows its quantization order
         module.weight.data = (scales.float()[g_idx.long()] * (ints.t() - zeros[g_idx.long()]).float()).t().contiguous()
-        for part, tensor in draft_model.gptq_pack(ints, zeros, scales, g_idx).items():
+        for part, tensor in int4.gptq_pack(ints, zeros, scales, g_idx).items():
             tensors[f"{name}.{part}"] = tensor
     return tensors
 
@@ -377,7 +380,7 @@ def test_lora_matches_peft_merged_and_unmerged(tmp_path, overrides):
     unmerged = draft_model.load_model(directory, cache_slots=2, merge_lora=False)
     merged = draft_model.load_model(directory, cache_slots=2)
     # down_proj: adapted alone; gate/up: both adapted, fused into one LoRALinear
-    assert isinstance(unmerged.model.layers[0].mlp.down_proj if not overrides else unmerged.model.layers[0].mlp.gate_up_proj, draft_model.LoRALinear)
+    assert isinstance(unmerged.model.layers[0].mlp.down_proj if not overrides else unmerged.model.layers[0].mlp.gate_up_proj, transformer.LoRALinear)
     assert unmerged.lora_rank == merged.lora_rank == 4
     assert (forward_all(unmerged, tokens) - expected).abs().max() <= 1e-4
     assert (forward_all(merged, tokens) - expected).abs().max() <= 1e-4
@@ -414,29 +417,29 @@ def test_int4_kernel_layer_computes_the_gptq_weights():
     ints = torch.randint(0, 16, (out_features, in_features), generator=generator)
     zeros = torch.randint(0, 16, (in_features // group_size, out_features), generator=generator)
     scales = torch.rand(in_features // group_size, out_features, generator=generator) * 0.03 + 0.005
-    gptq = draft_model.gptq_pack(ints, zeros, scales, torch.arange(in_features) // group_size)
-    layer = draft_model.Int4Linear(in_features, out_features, group_size, bias=False)
-    layer.load_state_dict(draft_model.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
+    gptq = int4.gptq_pack(ints, zeros, scales, torch.arange(in_features) // group_size)
+    layer = int4.Int4Linear(in_features, out_features, group_size, bias=False)
+    layer.load_state_dict(int4.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
     x = torch.randn(3, 5, in_features, generator=generator)
-    expected = x @ draft_model.gptq_dequantize(**gptq).t()
+    expected = x @ int4.gptq_dequantize(**gptq).t()
     error = (layer(x.bfloat16()).float() - expected).abs().max() / expected.abs().max()
     assert error < 2e-2, f"relative error {error:.4f}: the layout conversion is wrong, not just bf16 rounding"
 
 
 def test_long_prefills_unpack_the_int4_layer_to_the_same_weights():
     """The kernel's packed layout is PyTorch-internal: the check that reads it must hold on this torch."""
-    assert draft_model.kernel_layout_is_known()
+    assert int4.kernel_layout_is_known()
     generator = torch.Generator().manual_seed(29)
     out_features, in_features, group_size = 128, 256, 64
-    gptq = draft_model.rtn_quantize(torch.randn(out_features, in_features, generator=generator), group_size, sym=False)
-    layer = draft_model.Int4Linear(in_features, out_features, group_size, bias=False)
-    layer.load_state_dict(draft_model.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
+    gptq = int4.rtn_quantize(torch.randn(out_features, in_features, generator=generator), group_size, sym=False)
+    layer = int4.Int4Linear(in_features, out_features, group_size, bias=False)
+    layer.load_state_dict(int4.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
     assert layer.dense_prefill
-    rows = torch.randn(draft_model.DENSE_PREFILL_ROWS, in_features, generator=generator).bfloat16()
+    rows = torch.randn(int4.DENSE_PREFILL_ROWS, in_features, generator=generator).bfloat16()
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.packed_weight, group_size, layer.scales_and_offsets)
     dense = layer(rows)  # enough rows to take the unpacked path
     assert (dense.float() - kernel.float()).abs().max() / kernel.float().abs().max() < 1e-2
-    expected = draft_model.gptq_dequantize(**gptq)
+    expected = int4.gptq_dequantize(**gptq)
     assert (layer.dense_weight().float() - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 scales
 
 
@@ -461,7 +464,7 @@ def test_packed_lora_stays_unmerged_beside_int4(gptq_package):
     peft_model = add_peft_adapter(hf_model, directory)
     drafter = draft_model.load_model(directory, cache_slots=2)
     qkv_proj = drafter.model.layers[0].self_attn.qkv_proj  # q, k and v fused: one LoRA pair beside INT4 bases
-    assert isinstance(qkv_proj, draft_model.LoRALinear) and any(isinstance(m, draft_model.Int4Linear) for m in qkv_proj.base.modules())
+    assert isinstance(qkv_proj, transformer.LoRALinear) and any(isinstance(m, int4.Int4Linear) for m in qkv_proj.base.modules())
     tokens = random_rows([30], seed=18)[0]
     with torch.no_grad():
         expected = peft_model(torch.tensor([tokens])).logits[0]
@@ -475,30 +478,30 @@ def test_fused_projections_compute_what_their_parts_do():
     in_features, group_size, rank = 128, 32, 4
     parts = []
     for out_features in (128, 64, 64):
-        layer = draft_model.Int4Linear(in_features, out_features, group_size, bias=False)
-        gptq = draft_model.rtn_quantize(torch.randn(out_features, in_features, generator=generator), group_size, sym=False)
-        layer.load_state_dict(draft_model.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
+        layer = int4.Int4Linear(in_features, out_features, group_size, bias=False)
+        gptq = int4.rtn_quantize(torch.randn(out_features, in_features, generator=generator), group_size, sym=False)
+        layer.load_state_dict(int4.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
         parts.append(layer)
     # The first and last parts carry adapters, the middle one none (a target_modules subset).
     parts[0], parts[2] = (
-        draft_model.LoRALinear(p, torch.randn(rank, in_features, generator=generator), torch.randn(p.out_features, rank, generator=generator), 0.5)
+        transformer.LoRALinear(p, torch.randn(rank, in_features, generator=generator), torch.randn(p.out_features, rank, generator=generator), 0.5)
         for p in (parts[0], parts[2])
     )
-    fused = draft_model.concat_outputs(parts)
-    assert isinstance(fused, draft_model.LoRALinear) and isinstance(fused.base, draft_model.Int4Linear)
-    for rows in (1, draft_model.DENSE_PREFILL_ROWS):  # the kernel's path and the unpacked one
+    fused = transformer.concat_outputs(parts)
+    assert isinstance(fused, transformer.LoRALinear) and isinstance(fused.base, int4.Int4Linear)
+    for rows in (1, int4.DENSE_PREFILL_ROWS):  # the kernel's path and the unpacked one
         x = torch.randn(rows, in_features, generator=generator).bfloat16()
         expected = torch.cat([part(x) for part in parts], dim=-1)
         torch.testing.assert_close(fused(x), expected, rtol=1e-2, atol=1e-2)  # bf16 outputs, fp32 side matmuls
         unadapted = slice(128, 192)
         assert torch.equal(fused(x)[:, unadapted], parts[1](x))  # its block of B is empty: exactly the base
     dense = [torch.nn.Linear(in_features, n, bias=True) for n in (96, 32)]
-    fused_dense = draft_model.concat_outputs(dense)
+    fused_dense = transformer.concat_outputs(dense)
     assert isinstance(fused_dense, torch.nn.Linear)
     x = torch.randn(3, in_features, generator=generator)
     torch.testing.assert_close(fused_dense(x), torch.cat([d(x) for d in dense], dim=-1), rtol=1e-6, atol=1e-6)
-    mixed = draft_model.concat_outputs([dense[0], parts[1]])  # a dense fallback beside an INT4 layer
-    assert isinstance(mixed, draft_model.Concat)
+    mixed = transformer.concat_outputs([dense[0], parts[1]])  # a dense fallback beside an INT4 layer
+    assert isinstance(mixed, transformer.Concat)
 
 
 def test_act_order_layers_fall_back_to_dense(tmp_path, caplog):
@@ -566,19 +569,19 @@ def test_hybrid_rows_copy_repeats_and_the_rest_draft_as_before(qwen3):
 def test_rtn_quantize_stays_within_half_a_step_of_the_weights():
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(21))
     for sym in (True, False):
-        gptq = draft_model.rtn_quantize(weight, group_size=32, sym=sym)
+        gptq = int4.rtn_quantize(weight, group_size=32, sym=sym)
         step = gptq["scales"].float().t().repeat_interleave(32, dim=1)  # (N, K): each weight's grid step
-        assert ((draft_model.gptq_dequantize(**gptq) - weight).abs() <= 0.51 * step).all()  # fp16 scales: a hair over 1/2
+        assert ((int4.gptq_dequantize(**gptq) - weight).abs() <= 0.51 * step).all()  # fp16 scales: a hair over 1/2
 
 
 def test_int4_lm_head_keeps_the_embedding_and_drafts(gptq_package):
     _, directory = gptq_package
     plain = draft_model.load_model(directory, cache_slots=2)
     quantized = draft_model.load_model(directory, cache_slots=2, quantize_lm_head=True)
-    assert isinstance(quantized.model.lm_head, draft_model.Int4Linear)
+    assert isinstance(quantized.model.lm_head, int4.Int4Linear)
     assert torch.equal(quantized.model.embed_tokens.weight, plain.model.embed_tokens.weight)
     hidden = torch.randn(5, plain.cfg.hidden_size, generator=torch.Generator().manual_seed(22))
-    rounded = draft_model.gptq_dequantize(**draft_model.rtn_quantize(plain.model.lm_head.weight, 64, sym=False))
+    rounded = int4.gptq_dequantize(**int4.rtn_quantize(plain.model.lm_head.weight, 64, sym=False))
     expected = hidden @ rounded.t()
     error = (quantized.model.lm_head(hidden.bfloat16()).float() - expected).abs().max() / expected.abs().max()
     assert error < 2e-2
@@ -590,8 +593,8 @@ def write_package_with_int4_embedding(hf_model, directory, seed: int) -> None:
     """A package whose tied embedding is GPTQ tensors too (quant_config "quantized_embedding"); hf_model
     gets the dequantized table, so it is the reference for what the package means."""
     gptq = quantize_into(hf_model, 32, True, False, seed=seed)
-    table = draft_model.rtn_quantize(hf_model.model.embed_tokens.weight.detach(), 32, sym=False)
-    hf_model.model.embed_tokens.weight.data = draft_model.gptq_dequantize(**table)
+    table = int4.rtn_quantize(hf_model.model.embed_tokens.weight.detach(), 32, sym=False)
+    hf_model.model.embed_tokens.weight.data = int4.gptq_dequantize(**table)
     gptq.update({f"model.embed_tokens.{part}": tensor for part, tensor in table.items()})
     quant_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "checkpoint_format": "gptq",
                     "quantized_embedding": {"group_size": 32}}
@@ -608,7 +611,7 @@ def test_quantized_embedding_is_one_int4_table_for_both_ends(tmp_path):
     assert dense_drafts == [reference_greedy(hf_model, row, 12) for row in rows]
 
     packed = draft_model.load_model(tmp_path, cache_slots=4)
-    assert packed.model.embed_tokens is None and isinstance(packed.model.lm_head, draft_model.Int4Linear)
+    assert packed.model.embed_tokens is None and isinstance(packed.model.lm_head, int4.Int4Linear)
     assert packed.quantization["embedding_group_size"] == 32
     vocab, hidden = packed.vocab_size, packed.cfg.hidden_size
     assert not any(t.numel() == vocab * hidden and t.is_floating_point() for t in [*packed.model.parameters(), *packed.model.buffers()])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import draft_model
+import int4
 from evidence.gptq_drafter import QuantSettings, collect_hessians, first_layer_inputs, gptq_quantize, packed_weight, rtn_quantize
 from tiny_models import make_hf_model
 
@@ -51,7 +51,7 @@ def test_gptq_beats_round_to_nearest_on_held_out_activations(activations, name, 
 
 
 def test_package_tensors_mean_the_gptq_weights(activations):
-    """Packed with draft_model.gptq_pack and read back with gptq_dequantize: exactly the weights GPTQ
+    """Packed with int4.gptq_pack and read back with gptq_dequantize: exactly the weights GPTQ
     produced; with act-order each group still holds group_size columns, in their original places."""
     weight = activations["layer"].mlp.down_proj.weight.detach()
     result = gptq_quantize(weight, activations["hessians"]["mlp.down_proj"], QuantSettings(32, False, True))
@@ -59,7 +59,7 @@ def test_package_tensors_mean_the_gptq_weights(activations):
     assert packed["qweight"].shape == (weight.shape[1] // 8, weight.shape[0]) and packed["qweight"].dtype == torch.int32
     assert packed["scales"].dtype == torch.float16 and packed["g_idx"].dtype == torch.int32
     torch.testing.assert_close(packed_weight(result), result.dequantize(), rtol=0, atol=0)
-    torch.testing.assert_close(draft_model.gptq_dequantize(**packed), result.dequantize(), rtol=0, atol=0)
+    torch.testing.assert_close(int4.gptq_dequantize(**packed), result.dequantize(), rtol=0, atol=0)
     assert torch.bincount(result.g_idx).tolist() == [32] * (weight.shape[1] // 32)
     assert not torch.equal(result.g_idx, torch.arange(weight.shape[1]) // 32)  # act-order really reordered
 
@@ -78,4 +78,4 @@ def test_static_groups_keep_consecutive_groups(activations):
 def test_symmetric_zero_is_stored_as_seven(activations):
     weight = activations["layer"].self_attn.q_proj.weight.detach()
     packed = gptq_quantize(weight, activations["hessians"]["self_attn.q_proj"], QuantSettings(32, True, False)).pack()
-    assert set(draft_model.unpack_int4(packed["qzeros"], dim=1).unique().tolist()) == {7}
+    assert set(int4.unpack_int4(packed["qzeros"], dim=1).unique().tolist()) == {7}

@@ -1,0 +1,183 @@
+"""The GPTQ INT4 format and PyTorch's CPU INT4 kernel: one set of pure functions for writers and the runtime.
+
+Per Linear with K inputs, N outputs and group size G, a GPTQ checkpoint holds qweight int32 [K/8, N]
+(packed along inputs), qzeros int32 [K/G, N/8] (packed along outputs), scales fp16 [K/G, N] and g_idx
+int32 [K]. Nibble j of an int32 holds bits 4j..4j+3, and W[n, k] = scales[g[k], n] * (q[k, n] - zero[g[k], n]).
+"gptq" (v1) checkpoints store zero - 1 (masked to 4 bits); "gptq_v2" stores the zero itself.
+
+The quantizers (evidence/gptq_drafter.py, the round-to-nearest baseline, the INT4 embedding table) write
+with `gptq_pack`; the loader reads with `gptq_integers` / `gptq_dequantize`; `Int4Linear` holds a layer in
+the kernel's layout.
+"""
+
+import functools
+
+import torch
+from torch import nn
+
+NIBBLES_PER_INT32 = 8
+ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
+
+
+def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Pack 4-bit values (0..15) eight to an int32 along `dim`, lowest nibble first."""
+    values = values.movedim(dim, 0).to(torch.int64)
+    if values.shape[0] % NIBBLES_PER_INT32:
+        raise ValueError(f"pack_int4: size {values.shape[0]} along dim {dim} is not a multiple of 8")
+    if values.numel() and (values.min() < 0 or values.max() > 15):
+        raise ValueError("pack_int4: values must lie in 0..15")
+    groups = values.reshape(-1, NIBBLES_PER_INT32, *values.shape[1:])  # (n/8, 8, ...)
+    shifts = (4 * torch.arange(NIBBLES_PER_INT32)).reshape(1, -1, *([1] * (values.dim() - 1)))
+    packed = (groups << shifts).sum(dim=1)  # 0 .. 2^32 - 1
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # reinterpret as two's complement int32
+    return packed.to(torch.int32).movedim(0, dim).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of pack_int4: int32 -> int64 values 0..15, eight per int32 along `dim`."""
+    packed = packed.movedim(dim, 0).to(torch.int64)
+    shifts = (4 * torch.arange(NIBBLES_PER_INT32, device=packed.device)).reshape(1, -1, *([1] * (packed.dim() - 1)))
+    values = (packed[:, None] >> shifts) & 0xF  # (n, 8, ...)
+    return values.reshape(-1, *packed.shape[1:]).movedim(0, dim)
+
+
+def gptq_pack(int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GPTQ v1 tensors for one Linear. int_weight [N, K] and zeros [K/G, N] hold 0..15; scales [K/G, N]."""
+    stored_zeros = (zeros.to(torch.int64) - ZERO_OFFSET["gptq"]) & 0xF
+    return {
+        "qweight": pack_int4(int_weight.t(), dim=0),
+        "qzeros": pack_int4(stored_zeros, dim=1),
+        "scales": scales.to(torch.float16).contiguous(),
+        "g_idx": g_idx.to(torch.int32).contiguous(),
+    }
+
+
+def gptq_integers(qweight: torch.Tensor, qzeros: torch.Tensor, checkpoint_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit weights q (K, N) and the real zero points (K/G, N) of GPTQ tensors."""
+    zeros = (unpack_int4(qzeros, dim=1) + ZERO_OFFSET[checkpoint_format]) & 0xF
+    return unpack_int4(qweight, dim=0), zeros
+
+
+def gptq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, checkpoint_format: str = "gptq"
+) -> torch.Tensor:
+    """The fp32 weight [N, K] (nn.Linear layout) that a GPTQ checkpoint means."""
+    q, zeros = gptq_integers(qweight, qzeros, checkpoint_format)
+    groups = g_idx.to(torch.int64)
+    weight = scales.float()[groups] * (q - zeros[groups]).float()  # (K, N)
+    return weight.t().contiguous()
+
+
+def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, torch.Tensor]:
+    """Round-to-nearest 4-bit GPTQ tensors of a weight [N, K]: per group of `group_size` inputs, the
+    grid spans [min(w, 0), max(w, 0)] (symmetric: +-max|w| around zero 8). GPTQ's baseline."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (N, K/G, G)
+    low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)  # (N, K/G)
+    if sym:
+        high = torch.maximum(high, -low)
+        low = -high
+    # The stored fp16 scale is what dequantizes; the floor keeps an all-zero group's scale a normal fp16.
+    scales = ((high - low) / 15).clamp(min=2**-14).half().float()
+    zeros = torch.full_like(scales, 8) if sym else torch.round(-low / scales).clamp(0, 15)
+    ints = torch.clamp(torch.round(groups / scales[..., None]) + zeros[..., None], 0, 15).reshape(out_features, in_features)
+    return gptq_pack(ints.long(), zeros.long().t(), scales.t(), torch.arange(in_features) // group_size)
+
+
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts
+INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x slower on these CPUs
+# The kernel is a matrix-vector one: its cost grows with every row (27 ms for 2000 rows of a 512x2048
+# layer, against 2 ms dense in bf16). From this many rows (a prefill), unpacking the layer to bf16 and
+# one dense matmul is faster: unpacking a 3072x1024 layer takes 1.3 ms, what the kernel spends on ~40 rows.
+DENSE_PREFILL_ROWS = 64
+DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the kernel's 64-row blocks)
+
+
+@functools.cache
+def kernel_layout_is_known() -> bool:
+    """Does the kernel pack weights the way Int4Linear.dense_weight reads them? Its layout is PyTorch's
+    internal business, so check once per process on known values rather than trust it."""
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, device="cpu", generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    return packed.shape == (128, 32) and torch.equal(_unpack_kernel_layout(packed, 128, 64), q.t())
+
+
+def _unpack_kernel_layout(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The 4-bit values of the CPU kernel's uint8 (N, K/2) layout, transposed: (K, N). Each block of 64
+    output rows is stored as (K, 32) bytes, the low nibble holding rows 0..31 of the block and the high
+    nibble rows 32..63, so moving the K axis first is a copy of 32-byte runs and the nibbles then land in
+    row order; unpacking to (N, K) instead would transpose every byte."""
+    blocks = packed.view(out_features // 64, in_features, 32).transpose(0, 1).contiguous()  # (K, N/64, 32)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(in_features, out_features)
+
+
+class Int4Linear(nn.Module):
+    """A GPTQ linear kept packed at 4 bits per weight and multiplied by PyTorch's CPU INT4 kernel.
+
+    The kernel dequantizes W = (q - 8) * scale + offset per group, so GPTQ's scale * (q - zero) becomes
+    offset = scale * (8 - zero). Only plain group order (g_idx[k] = k // group_size) maps onto it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.dense_prefill = out_features % 64 == 0 and kernel_layout_is_known()
+        self.register_buffer("packed_weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_offsets", torch.empty(in_features // group_size, out_features, 2, dtype=INT4_KERNEL_DTYPE))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=INT4_KERNEL_DTYPE)) if bias else None
+
+    @staticmethod
+    def pack_gptq(qweight, qzeros, scales, g_idx, checkpoint_format: str) -> dict[str, torch.Tensor]:
+        """GPTQ tensors -> this module's buffers (CPU)."""
+        q, zeros = gptq_integers(qweight, qzeros, checkpoint_format)
+        scales = scales.float()
+        return {
+            "packed_weight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().to(torch.int32).contiguous(), 2),
+            "scales_and_offsets": torch.stack([scales, scales * (8 - zeros)], dim=2).to(INT4_KERNEL_DTYPE),
+        }
+
+    @staticmethod
+    def unsupported(in_features: int, out_features: int, group_size: int, g_idx: torch.Tensor) -> str | None:
+        """Why this layer cannot use the kernel, or None when it can."""
+        if group_size not in INT4_KERNEL_GROUP_SIZES:
+            return f"group size {group_size} is not one of {INT4_KERNEL_GROUP_SIZES}"
+        if out_features % 16:
+            return f"{out_features} output features are not a multiple of 16"
+        if not torch.equal(g_idx.to(torch.int64), torch.arange(in_features) // group_size):
+            return "act-order g_idx reorders groups"
+        return None
+
+    def dense_weight(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start..stop-1 (multiples of 64; default all) of the (N, K) bf16 weight the kernel multiplies
+        by, (q - 8) * scale + offset per group, as the transposed view of a contiguous (K, rows) tensor:
+        the layout the kernel's bytes unpack to cheaply, and the one a prefill's x @ W^T wants."""
+        K, G = self.in_features, self.group_size
+        stop = self.out_features if stop is None else stop
+        centred = _unpack_kernel_layout(self.packed_weight[start:stop], stop - start, K).view(torch.int8) - 8
+        # Contiguous (K/G, 1, rows) scales: broadcasting the strided halves of scales_and_offsets is 5x slower.
+        scales, offsets = (t[:, start:stop].contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1))
+        weight = torch.addcmul(offsets, centred.view(K // G, G, stop - start).to(INT4_KERNEL_DTYPE), scales)
+        return weight.view(K, stop - start).t()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of the (N, K) weight, dequantized as dense_weight does: (*ids.shape, K).
+        A tied INT4 lm_head serves as the embedding table this way, so one 4-bit copy does both jobs."""
+        flat = ids.reshape(-1)
+        blocks = self.packed_weight.view(self.out_features // 64, self.in_features, 32)  # see _unpack_kernel_layout
+        packed = blocks[flat // 64, :, flat % 32]  # (n, K) bytes holding each row's nibbles
+        q = torch.where((flat % 64 < 32)[:, None], packed & 0xF, packed >> 4).view(len(flat), -1, self.group_size)
+        scales, offsets = (t[:, flat].t()[..., None] for t in self.scales_and_offsets.unbind(dim=-1))  # (n, K/G, 1)
+        weights = torch.addcmul(offsets, q.to(INT4_KERNEL_DTYPE) - 8, scales)
+        return weights.reshape(*ids.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.dense_prefill and flat.shape[0] >= DENSE_PREFILL_ROWS:
+            # Unpacked a block of rows at a time, so the temporaries stay small: unpacking a whole fused
+            # 6144x1024 layer at once cost 1.6x more per weight than 3072 rows (fresh pages every call).
+            blocks = range(0, self.out_features, DENSE_PREFILL_BLOCK)
+            out = torch.cat([flat @ self.dense_weight(b, min(b + DENSE_PREFILL_BLOCK, self.out_features)).t() for b in blocks], dim=-1)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_offsets)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out

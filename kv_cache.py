@@ -1,0 +1,108 @@
+"""The KV-cache pool: slots allocated once, written by index, matched by exact token prefix, LRU eviction.
+
+A slot holds the keys and values of one sequence and the tokens they came from; a request reuses the
+longest prefix any slot holds, matched by token equality (never by a hash), and KV beyond the matched
+prefix is never read.
+"""
+
+import torch
+
+
+
+class KVCache:
+    """`num_slots` sequences of up to `max_len` tokens each, plus one scratch slot that absorbs the
+    writes of padding and finished rows so they can never touch a real sequence."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        if num_slots < 2:
+            raise ValueError(f"cache_slots must be at least 2, got {num_slots}")
+        shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
+        # torch.empty on CPU does not touch the pages, so memory is committed only as slots fill.
+        self.keys = torch.empty(shape, device=device, dtype=dtype)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.num_slots, self.max_len, self.scratch = num_slots, max_len, num_slots
+        self.zeroed = [0] * num_slots  # positions 0..zeroed-1 of a slot hold numbers, not uninitialised memory
+        # The tokens whose KV each slot holds, on the CPU, -1 past a slot's length (no id matches it).
+        self.tokens = torch.full((num_slots, max_len), -1, dtype=torch.long)
+        self.lengths = [0] * num_slots
+        self.prompt_len = [0] * num_slots  # how many of them a request sent; the rest are the slot's own drafts
+        self.last_used = [0] * num_slots
+        self.clock = 0
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots, positions (B, T); k, v (B, T, H_kv, D)."""
+        self.keys[layer][slots, :, positions] = k
+        self.values[layer][slots, :, positions] = v
+
+    def read(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H_kv, kv_len, D) keys and values of `slots`: a view when the slots are consecutive (always
+        at batch size 1), else a gathered copy, which costs a pass over the batch's KV per layer and step."""
+        keys, values = self.keys[layer, :, :, :kv_len], self.values[layer, :, :, :kv_len]
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return keys[slots[0] : slots[0] + len(slots)], values[slots[0] : slots[0] + len(slots)]
+        index = torch.tensor(slots, device=keys.device)
+        return keys.index_select(0, index), values.index_select(0, index)
+
+    def longest_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        """(slot, length) of the longest common prefix between `tokens` and any slot; newest slot on ties."""
+        n = min(len(tokens), self.max_len)
+        differs = self.tokens[:, :n] != torch.tensor(tokens[:n])  # (slots, n)
+        matched = torch.where(differs.any(dim=1), differs.int().argmax(dim=1), n).tolist()  # first mismatch per slot
+        length, _, slot = max(zip(matched, self.last_used, range(self.num_slots)))
+        return slot, length
+
+    def assign(self, batch: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Choose a slot for each row and how many of its tokens are reused from the cache.
+
+        A row that extends the request a slot last served continues in that slot: what the slot holds
+        beyond the match is its own draft, which the row's accepted tokens supersede (the harness'
+        loop). Otherwise the row takes the least recently used slot that no row of this batch reads
+        from, and the matched prefix's KV is copied there, so a conversation sharing only a prefix
+        (a system prompt) with another keeps its own slot.
+        """
+        if len(batch) > self.num_slots // 2:
+            raise ValueError(f"a batch of {len(batch)} needs at least {2 * len(batch)} cache slots, have {self.num_slots}")
+        matches = [self.longest_prefix(row) for row in batch]
+        # At least one token per row must go through the model to produce its next-token logits.
+        reuse = [min(n, len(row) - 1) for row, (_, n) in zip(batch, matches)]
+        sources = {slot for (slot, _), r in zip(matches, reuse) if r > 0}
+        targets: list[int | None] = [None] * len(batch)
+        for i, (slot, n) in enumerate(matches):
+            if reuse[i] > 0 and n >= self.prompt_len[slot] and slot not in targets:
+                targets[i] = slot
+        free = sorted((s for s in range(self.num_slots) if s not in sources and s not in targets), key=lambda s: self.last_used[s])
+        for i, (slot, _) in enumerate(matches):
+            if targets[i] is None:
+                targets[i] = free.pop(0)
+                if reuse[i] > 0:
+                    self.copy_prefix(slot, targets[i], reuse[i])
+        for row, slot, r in zip(batch, targets, reuse):
+            # Until the forward finishes, only the reused prefix of a target slot is known to be valid.
+            self.hold(slot, row[:r], prompt_len=r)
+        return targets, reuse
+
+    def clear_garbage(self, slots: list[int], length: int) -> None:
+        """Zero positions below `length` of `slots` never written before. A shorter row reads past its
+        end up to the batch's longest row; those keys are masked, but a NaN from uninitialised memory
+        would still leak through the attention weights (0 * NaN = NaN)."""
+        for slot in slots:
+            if self.zeroed[slot] < length:
+                self.keys[:, slot, :, self.zeroed[slot] : length] = 0
+                self.values[:, slot, :, self.zeroed[slot] : length] = 0
+                self.zeroed[slot] = length
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        self.zeroed[target] = max(self.zeroed[target], length)
+
+    def commit(self, slot: int, prompt: list[int], fed_drafts: list[int]) -> None:
+        """Record that `slot` now holds the KV of exactly `prompt` followed by `fed_drafts`."""
+        self.hold(slot, prompt + fed_drafts, prompt_len=len(prompt))
+        self.clock += 1
+        self.last_used[slot] = self.clock
+
+    def hold(self, slot: int, tokens: list[int], prompt_len: int) -> None:
+        self.tokens[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.tokens[slot, len(tokens) : self.lengths[slot]] = -1
+        self.lengths[slot], self.prompt_len[slot] = len(tokens), prompt_len

@@ -1,0 +1,256 @@
+"""The decoder: a Qwen3 / Llama / Qwen2 transformer in plain PyTorch, read top to bottom.
+
+config -> primitives (RMSNorm, RoPE) -> LoRA and fused projections -> attention, MLP, block -> model.
+Module names mirror transformers', so checkpoint keys map 1:1; checkpoint.py builds and loads it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from int4 import Int4Linear
+from kv_cache import KVCache
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3 normalises q and k per head before RoPE
+    qkv_bias: bool  # Qwen2 (and attention_bias=True) adds biases to q/k/v
+    o_bias: bool  # attention_bias=True (Llama/Qwen3) also biases o_proj
+    eos_token_ids: tuple[int, ...]
+
+
+# ----------------------------------------------------------------------------------------------
+# Primitives
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability, cast back, then scale (the order transformers uses).
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for the half-split RoPE form. positions (B, T) -> two (B, T, 1, head_dim) tensors."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, T, 1, head_dim), broadcast over heads
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D): rotate each (i, i + D/2) pair by its position's angle."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return x * cos + rotated * sin
+
+# ----------------------------------------------------------------------------------------------
+# LoRA (a PEFT adapter kept unmerged as A, B and scale, or merged into the base weight)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Parameter(lora_A.float(), requires_grad=False)  # (r, in), fp32 whatever the model's dtype
+        self.lora_B = nn.Parameter(lora_B.float() * scale, requires_grad=False)  # (out, r), the scale folded in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The side matmuls run in the adapter's fp32: a rank-r bf16 GEMM costs ~7x an fp32 one here
+        # (oneDNN's bf16 set-up dominates such small products), and the adapter was trained in fp32.
+        side = F.linear(F.linear(x.float(), self.lora_A), self.lora_B)
+        return self.base(x).add_(side)  # added in fp32, rounded once to the base's dtype
+
+    def merge(self) -> nn.Linear:
+        """The plain Linear with W + scale * B @ A (computed in fp32, cast to the weight dtype)."""
+        delta = self.lora_B @ self.lora_A
+        merged = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None)
+        merged.weight = nn.Parameter((self.base.weight.float() + delta).to(self.base.weight.dtype), requires_grad=False)
+        merged.bias = self.base.bias
+        return merged
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused projections: q, k and v (and gate and up) read the same input, so after loading each group
+# becomes one module with the outputs concatenated; a decode step then makes one INT4 kernel call and
+# one pair of LoRA matmuls where it made three, which matters where per-call overhead is the cost.
+
+FUSED_PROJECTIONS = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+
+
+class Concat(nn.Module):
+    """The fallback when parts cannot share one matmul (mixed kinds): their outputs, concatenated."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def concat_outputs(parts: list[nn.Module]) -> nn.Module:
+    """One module computing the parts' outputs concatenated, as a single matmul where their kinds allow."""
+    adapters = [p for p in parts if isinstance(p, LoRALinear)]
+    if adapters:
+        # x A^T stacks every adapter's rank-r input; the block-diagonal B sends each to its own part's
+        # outputs, and nothing to a part without an adapter (an empty block: its side output is exactly 0).
+        bases = [p.base if isinstance(p, LoRALinear) else p for p in parts]
+        lora_A = torch.cat([a.lora_A for a in adapters])  # (adapters * r, in)
+        lora_B = torch.block_diag(*[p.lora_B if isinstance(p, LoRALinear) else torch.zeros(p.out_features, 0) for p in parts])
+        return LoRALinear(concat_outputs(bases), lora_A, lora_B, scale=1.0)  # each B carries its own scale
+    kinds, biases = {type(p) for p in parts}, [p.bias for p in parts]
+    if len(kinds) > 1 or len({b is None for b in biases}) > 1:
+        return Concat(parts)
+    in_features, out_features = parts[0].in_features, sum(p.out_features for p in parts)
+    bias = {} if biases[0] is None else {"bias": torch.cat(biases)}
+    if kinds == {nn.Linear}:
+        with torch.device("meta"):
+            fused = nn.Linear(in_features, out_features, bias=bool(bias))
+        fused.load_state_dict({"weight": torch.cat([p.weight for p in parts])} | bias, assign=True)
+        return fused
+    if kinds == {Int4Linear} and len({p.group_size for p in parts}) == 1 and all(p.out_features % 64 == 0 for p in parts):
+        # The kernel stores 64 output rows per block, so whole blocks concatenate like rows.
+        with torch.device("meta"):
+            fused = Int4Linear(in_features, out_features, parts[0].group_size, bias=bool(bias))
+        state = {
+            "packed_weight": torch.cat([p.packed_weight for p in parts]),
+            "scales_and_offsets": torch.cat([p.scales_and_offsets for p in parts], dim=1),  # (K/G, N, 2)
+        }
+        fused.load_state_dict(state | bias, assign=True)
+        return fused
+    return Concat(parts)
+
+
+def fuse_projections(model: "Transformer") -> None:
+    """Replace each layer's q/k/v and gate/up projections by their fused module (load_model calls this)."""
+    for layer in model.layers:
+        for block_name, (fused_name, names) in FUSED_PROJECTIONS.items():
+            block = getattr(layer, block_name)
+            setattr(block, fused_name, concat_outputs([getattr(block, name) for name in names]))
+            for name in names:
+                delattr(block, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention, MLP, block, model. Module names mirror transformers', so checkpoint keys map 1:1.
+
+
+@dataclass
+class ForwardInputs:
+    """Where a forward reads and writes the KV cache. T = tokens per row in this forward."""
+
+    positions: torch.Tensor  # (B, T) position of each token in its sequence
+    write_slots: torch.Tensor  # (B, T) cache slot receiving each token's KV (the scratch slot for padding)
+    read_slots: list[int]  # (B,) the slot each row attends over
+    kv_len: int  # keys 0..kv_len-1 of each read slot may be attended (the mask narrows it per row)
+    # Every row's tokens sit at positions 0..T-1 and the keys are exactly theirs (kv_len == T): the
+    # plain causal mask, which attention applies without a mask tensor and skipping the masked blocks.
+    causal: bool = False
+
+
+class Attention(nn.Module):
+    """q_proj, k_proj and v_proj carry the checkpoint's names; load_model fuses them into one qkv_proj
+    (fuse_projections), which forward uses."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: "KVCache", layer: int, at: ForwardInputs) -> torch.Tensor:
+        B, T, _ = x.shape
+        heads = self.qkv_proj(x).view(B, T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, at.write_slots, at.positions, k, v)
+        keys, values = cache.read(layer, at.read_slots, at.kv_len)  # (B, H_kv, kv_len, D)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """gate_proj and up_proj are fused into gate_up_proj at load, like q, k and v."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache: "KVCache", layer: int, at: ForwardInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, at)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids (B, T) -> (B, T, hidden); without a table of its own, the rows of the INT4 lm_head."""
+        return self.embed_tokens(token_ids) if self.embed_tokens is not None else self.lm_head.rows(token_ids)
+
+    def forward(self, token_ids: torch.Tensor, cache: "KVCache", at: ForwardInputs) -> torch.Tensor:
+        """token_ids (B, T) -> final hidden states (B, T, hidden); KV written to the cache on the way."""
+        x = self.embed(token_ids)
+        cos, sin = rope_cos_sin(at.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        # A query sees every key at or before its own position in its row's slot: (B, 1, T, kv_len).
+        key_positions = torch.arange(at.kv_len, device=token_ids.device)
+        mask = None if at.causal else (key_positions[None, None, :] <= at.positions[:, :, None])[:, None]
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, mask, cache, i, at)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """In the model's dtype: argmax needs no fp32 copy of a 150k-wide row; probabilities take one."""
+        return self.lm_head(hidden)
