@@ -16,8 +16,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from int4 import NIBBLES_PER_INT32, ZERO_OFFSET, INT4_KERNEL_DTYPE, Int4Linear, gptq_dequantize, kernel_layout_is_known, rtn_quantize
-from transformer import ModelConfig, LoRALinear, Transformer, fuse_projections
+from int4 import (
+    INT4_KERNEL_DTYPE,
+    NIBBLES_PER_INT32,
+    ZERO_OFFSET,
+    Int4Linear,
+    gptq_dequantize,
+    kernel_layout_is_known,
+    rtn_quantize,
+)
+from transformer import LoRALinear, ModelConfig, Transformer, fuse_projections
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +39,32 @@ class ModelLoadError(ValueError):
 
 def model_config(hf: dict, generation_config: dict | None = None) -> ModelConfig:
     """Read a Hugging Face config.json dict; refuse features this forward does not implement."""
-    _require(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"), "config.json")
+    _require(
+        hf,
+        ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+        "config.json",
+    )
     architecture = hf.get("model_type")
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"config.json: model_type {architecture!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
+        raise ModelLoadError(
+            f"config.json: model_type {architecture!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
+        )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ModelLoadError(f"config.json: rope_type {rope_type!r} is not supported; only 'default' RoPE is implemented")
+        raise ModelLoadError(
+            f"config.json: rope_type {rope_type!r} is not supported; only 'default' RoPE is implemented"
+        )
     if hf.get("use_sliding_window"):
-        raise ModelLoadError("config.json: use_sliding_window=true is not supported; only full attention is implemented")
+        raise ModelLoadError(
+            "config.json: use_sliding_window=true is not supported; only full attention is implemented"
+        )
     if hf.get("mlp_bias"):
         raise ModelLoadError("config.json: mlp_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SwiGLU ('silu')")
+        raise ModelLoadError(
+            f"config.json: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SwiGLU ('silu')"
+        )
     attention_bias = bool(hf.get("attention_bias", False))
     eos_ids = _as_id_tuple(hf.get("eos_token_id")) + _as_id_tuple((generation_config or {}).get("eos_token_id"))
     num_heads = hf["num_attention_heads"]
@@ -128,17 +148,27 @@ class QuantConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: Path) -> "QuantConfig":
         if raw.get("quant_method") != "gptq":
-            raise ModelLoadError(f"{source}: quant_method {raw.get('quant_method')!r} is not supported; expected 'gptq'")
+            raise ModelLoadError(
+                f"{source}: quant_method {raw.get('quant_method')!r} is not supported; expected 'gptq'"
+            )
         if raw.get("bits") != 4:
             raise ModelLoadError(f"{source}: bits {raw.get('bits')!r} is not supported; expected 4")
         if not (isinstance(raw.get("group_size", 128), int) and raw.get("group_size", 128) > 0):
-            raise ModelLoadError(f"{source}: group_size {raw.get('group_size')!r} is not supported; expected a positive group size such as 128")
+            raise ModelLoadError(
+                f"{source}: group_size {raw.get('group_size')!r} is not supported; expected a positive group size such as 128"
+            )
         checkpoint_format = raw.get("checkpoint_format", "gptq")
         if checkpoint_format not in ZERO_OFFSET:
-            raise ModelLoadError(f"{source}: checkpoint_format {checkpoint_format!r} is not supported; expected one of {list(ZERO_OFFSET)}")
+            raise ModelLoadError(
+                f"{source}: checkpoint_format {checkpoint_format!r} is not supported; expected one of {list(ZERO_OFFSET)}"
+            )
         embedding = raw.get("quantized_embedding")
-        if embedding is not None and not (isinstance(embedding, dict) and isinstance(embedding.get("group_size"), int) and embedding["group_size"] > 0):
-            raise ModelLoadError(f"{source}: quantized_embedding {embedding!r} is not supported; expected {{\"group_size\": G}} with G > 0")
+        if embedding is not None and not (
+            isinstance(embedding, dict) and isinstance(embedding.get("group_size"), int) and embedding["group_size"] > 0
+        ):
+            raise ModelLoadError(
+                f'{source}: quantized_embedding {embedding!r} is not supported; expected {{"group_size": G}} with G > 0'
+            )
         return cls(
             bits=4,
             group_size=raw.get("group_size", 128),
@@ -150,8 +180,14 @@ class QuantConfig:
         )
 
     def describe(self) -> dict:
-        return {"method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act,
-                "embedding_group_size": self.embedding_group_size}
+        return {
+            "method": "gptq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "sym": self.sym,
+            "desc_act": self.desc_act,
+            "embedding_group_size": self.embedding_group_size,
+        }
 
 
 @dataclass(frozen=True)
@@ -189,7 +225,9 @@ class LoRAConfig:
 
 def _linear_names(cfg: ModelConfig) -> list[str]:
     """Every projection inside the decoder layers, by its in-model name (layers.0.self_attn.q_proj)."""
-    return [f"layers.{i}.{part}.{p}" for i in range(cfg.num_layers) for part, names in PROJECTIONS.items() for p in names]
+    return [
+        f"layers.{i}.{part}.{p}" for i in range(cfg.num_layers) for part, names in PROJECTIONS.items() for p in names
+    ]
 
 
 def hf_name(name: str) -> str:
@@ -208,12 +246,16 @@ def _expected_tensors(cfg: ModelConfig, quant: QuantConfig | None) -> dict[str, 
     quantized = {name: quant.group_size for name in _quantized_linears(cfg, quant)}
     if quant.embedding_group_size:
         if not cfg.tie_word_embeddings:
-            raise ModelLoadError("quantized_embedding needs tie_word_embeddings: the INT4 table serves as embedding and lm_head")
+            raise ModelLoadError(
+                "quantized_embedding needs tie_word_embeddings: the INT4 table serves as embedding and lm_head"
+            )
         quantized["embed_tokens"] = quant.embedding_group_size
     for name, group_size in quantized.items():
         out_features, in_features = expected.pop(f"model.{name}.weight")
         if in_features % group_size or in_features % NIBBLES_PER_INT32 or out_features % NIBBLES_PER_INT32:
-            raise ModelLoadError(f"{name}: shape [{out_features}, {in_features}] does not fit GPTQ group size {group_size}")
+            raise ModelLoadError(
+                f"{name}: shape [{out_features}, {in_features}] does not fit GPTQ group size {group_size}"
+            )
         n_groups = in_features // group_size
         expected[f"model.{name}.qweight"] = (in_features // NIBBLES_PER_INT32, out_features)
         expected[f"model.{name}.qzeros"] = (n_groups, out_features // NIBBLES_PER_INT32)
@@ -244,19 +286,27 @@ def _read_safetensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[
     return tensors, origin
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], origin: dict[str, Path], expected: dict[str, tuple[int, ...]], where: str) -> None:
+def _check_tensors(
+    tensors: dict[str, torch.Tensor], origin: dict[str, Path], expected: dict[str, tuple[int, ...]], where: str
+) -> None:
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise ModelLoadError(f"{where}: missing tensor {missing[0]!r} with shape {list(expected[missing[0]])} ({len(missing)} missing in all)")
+        raise ModelLoadError(
+            f"{where}: missing tensor {missing[0]!r} with shape {list(expected[missing[0]])} ({len(missing)} missing in all)"
+        )
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         name = unexpected[0]
         raise ModelLoadError(f"{origin[name]}: unexpected tensor {name!r} ({len(unexpected)} unexpected in all)")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise ModelLoadError(f"{origin[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+            raise ModelLoadError(
+                f"{origin[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, expected {list(shape)}"
+            )
         packed_ints = name.endswith((".qweight", ".qzeros", ".g_idx"))
-        if (tensors[name].dtype == torch.int32) != packed_ints or not (packed_ints or tensors[name].is_floating_point()):
+        if (tensors[name].dtype == torch.int32) != packed_ints or not (
+            packed_ints or tensors[name].is_floating_point()
+        ):
             wanted = "int32" if packed_ints else "a floating-point dtype"
             raise ModelLoadError(f"{origin[name]}: tensor {name!r} has dtype {tensors[name].dtype}, expected {wanted}")
 
@@ -277,7 +327,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.exists():
         return [single]
-    raise ModelLoadError(f"{model_dir}: no {PACKAGE_WEIGHTS} (model package) and no model.safetensors or model.safetensors.index.json (Hugging Face checkpoint)")
+    raise ModelLoadError(
+        f"{model_dir}: no {PACKAGE_WEIGHTS} (model package) and no model.safetensors or model.safetensors.index.json (Hugging Face checkpoint)"
+    )
 
 
 def _load_state(
@@ -297,11 +349,20 @@ def _load_state(
     for name, (packed_name, group_size) in quantized.items():
         parts = {part: tensors.pop(f"model.{name}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")}
         out_features, in_features = parts["scales"].shape[1], parts["g_idx"].shape[0]
-        reason = Int4Linear.unsupported(in_features, out_features, group_size, parts["g_idx"]) if packed else "dense weights chosen"
+        reason = (
+            Int4Linear.unsupported(in_features, out_features, group_size, parts["g_idx"])
+            if packed
+            else "dense weights chosen"
+        )
         if reason is None and name == "embed_tokens" and not (out_features % 64 == 0 and kernel_layout_is_known()):
             reason = "embedding rows are read in the kernel's 64-row layout: it must be known and the vocabulary a multiple of 64"
         if reason is None:
-            state.update({f"{packed_name}.{k}": v for k, v in Int4Linear.pack_gptq(**parts, checkpoint_format=quant.checkpoint_format).items()})
+            state.update(
+                {
+                    f"{packed_name}.{k}": v
+                    for k, v in Int4Linear.pack_gptq(**parts, checkpoint_format=quant.checkpoint_format).items()
+                }
+            )
             int4_layers[packed_name] = group_size
         else:
             dense_reasons[name] = reason
@@ -320,7 +381,9 @@ def _quantize_lm_head(state: dict[str, torch.Tensor], cfg: ModelConfig) -> int:
     largest one of a decode step for a small drafter, reads 4-bit weights."""
     group_size = next((g for g in (128, 64, 32) if cfg.hidden_size % g == 0), None)
     if group_size is None or cfg.vocab_size % 16:
-        raise ModelLoadError(f"an INT4 lm_head needs hidden size % 32 == 0 and vocab size % 16 == 0, got {cfg.hidden_size} and {cfg.vocab_size}")
+        raise ModelLoadError(
+            f"an INT4 lm_head needs hidden size % 32 == 0 and vocab size % 16 == 0, got {cfg.hidden_size} and {cfg.vocab_size}"
+        )
     gptq = rtn_quantize(state.pop("lm_head.weight"), group_size, sym=False)
     state.update({f"lm_head.{k}": v for k, v in Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq").items()})
     return group_size
@@ -333,7 +396,9 @@ def _skeleton(cfg: ModelConfig, int4_layers: dict[str, int], table_in_head: bool
         model = Transformer(cfg)
         for name, group_size in int4_layers.items():
             dense = model.get_submodule(name)
-            _replace_module(model, name, Int4Linear(dense.in_features, dense.out_features, group_size, bias=dense.bias is not None))
+            _replace_module(
+                model, name, Int4Linear(dense.in_features, dense.out_features, group_size, bias=dense.bias is not None)
+            )
         if table_in_head:
             model.embed_tokens = None
     return model
@@ -369,7 +434,14 @@ def _apply_lora(model: Transformer, lora_dir: Path, merge: bool) -> LoRAConfig:
     return lora
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 WEIGHT_PATHS = ("auto", "packed", "dequant")
 
 
@@ -392,10 +464,14 @@ def _resolve_runtime(
         dtype = DTYPES[dtype]
     dtype = None if dtype == "auto" else dtype
     blocker = (
-        "the model is not GPTQ-quantized" if quant is None
-        else f"the INT4 kernel runs on cpu, not {device.type}" if device.type != "cpu"
-        else f"torch {torch.__version__} has no CPU INT4 kernel" if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-        else f"the INT4 kernel needs bfloat16 activations, not {dtype}" if dtype not in (None, INT4_KERNEL_DTYPE)
+        "the model is not GPTQ-quantized"
+        if quant is None
+        else f"the INT4 kernel runs on cpu, not {device.type}"
+        if device.type != "cpu"
+        else f"torch {torch.__version__} has no CPU INT4 kernel"
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        else f"the INT4 kernel needs bfloat16 activations, not {dtype}"
+        if dtype not in (None, INT4_KERNEL_DTYPE)
         else None
     )
     if weights == "packed" and blocker:
@@ -430,7 +506,9 @@ def load_weights(
     """Read, check and build the model of a package or Hugging Face checkpoint (draft_model.load_model
     documents the options); q/k/v and gate/up end fused."""
     if not (model_dir / "config.json").is_file():
-        raise ModelLoadError(f"{model_dir}: no config.json; expected a model package or a Hugging Face checkpoint directory")
+        raise ModelLoadError(
+            f"{model_dir}: no config.json; expected a model package or a Hugging Face checkpoint directory"
+        )
     hf_config = _read_json(model_dir / "config.json")
     generation_path = model_dir / "generation_config.json"
     cfg = model_config(hf_config, _read_json(generation_path) if generation_path.exists() else None)
@@ -462,7 +540,13 @@ def load_weights(
     model.tie_weights()
     if packed and dense_reasons:
         name, reason = next(iter(dense_reasons.items()))
-        log.warning("%d of %d quantized linears stay dense (e.g. %s: %s)", len(dense_reasons), len(dense_reasons) + len(int4_layers), name, reason)
+        log.warning(
+            "%d of %d quantized linears stay dense (e.g. %s: %s)",
+            len(dense_reasons),
+            len(dense_reasons) + len(int4_layers),
+            name,
+            reason,
+        )
 
     lora = None
     if use_lora and ((model_dir / PACKAGE_LORA_CONFIG).exists() or (model_dir / PACKAGE_LORA_WEIGHTS).exists()):

@@ -13,8 +13,8 @@ int4.py (the GPTQ format and the INT4 kernel).
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -51,12 +51,20 @@ def load_model(
     """
     model_dir = Path(model_dir)
     loaded = load_weights(
-        model_dir, device, dtype, merge_lora=merge_lora, use_lora=use_lora, weights=weights, quantize_lm_head=quantize_lm_head
+        model_dir,
+        device,
+        dtype,
+        merge_lora=merge_lora,
+        use_lora=use_lora,
+        weights=weights,
+        quantize_lm_head=quantize_lm_head,
     )
     cfg = loaded.cfg
     context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
     if not 1 <= context <= cfg.max_position_embeddings:
-        raise ModelLoadError(f"max_context {context} must lie in 1..{cfg.max_position_embeddings} (the model's max_position_embeddings)")
+        raise ModelLoadError(
+            f"max_context {context} must lie in 1..{cfg.max_position_embeddings} (the model's max_position_embeddings)"
+        )
     device, dtype = loaded.model.norm.weight.device, loaded.model.norm.weight.dtype
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_slots, context, device, dtype)
     return Drafter(loaded.model, cfg, cache, loaded.quant, loaded.lora, loaded.model_card, str(model_dir))
@@ -82,7 +90,16 @@ PREFILL_CHUNK_TOKENS = 2048  # tokens per prefill forward across the batch; boun
 class Drafter:
     """A loaded model with its KV-cache pool, and what a server needs to validate and describe it."""
 
-    def __init__(self, model: Transformer, cfg: ModelConfig, cache: KVCache, quant: QuantConfig | None, lora: LoRAConfig | None, model_card: dict, source: str):
+    def __init__(
+        self,
+        model: Transformer,
+        cfg: ModelConfig,
+        cache: KVCache,
+        quant: QuantConfig | None,
+        lora: LoRAConfig | None,
+        model_card: dict,
+        source: str,
+    ):
         self.model, self.cfg, self.cache = model, cfg, cache
         self.quant, self.lora, self.model_card, self.source = quant, lora, model_card, source
         self.lock = threading.Lock()  # the cache pool is shared state: one draft_batch at a time
@@ -107,7 +124,9 @@ class Drafter:
         """The dense weights under Hugging Face names (LoRA merged): load them into the matching
         transformers model to train or compare on exactly what this drafter computes with."""
         if any(isinstance(m, (Int4Linear, LoRALinear, Concat)) for m in self.model.modules()):
-            raise ValueError("hf_state_dict needs dense, merged weights: load with weights='dequant' and merge_lora=True")
+            raise ValueError(
+                "hf_state_dict needs dense, merged weights: load with weights='dequant' and merge_lora=True"
+            )
         cfg = self.cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         split_sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
@@ -147,7 +166,9 @@ class Drafter:
 class Draft(list):
     """One row's draft tokens (compares equal to a plain list), plus where they came from."""
 
-    def __init__(self, tokens: list[int], cached_tokens: int, logprobs: list[float] | None = None, source: str = "model"):
+    def __init__(
+        self, tokens: list[int], cached_tokens: int, logprobs: list[float] | None = None, source: str = "model"
+    ):
         super().__init__(tokens)
         self.cached_tokens = cached_tokens  # prompt tokens whose KV came from the prefix cache
         self.logprobs = logprobs  # the drafter's log-probability of each draft token (None for a lookup draft)
@@ -157,7 +178,9 @@ class Draft(list):
 LOOKUP_MAX_MATCH = 8  # the longest suffix prompt lookup tries to find
 
 
-def prompt_lookup(tokens: Sequence[int], max_tokens: int, min_match: int, max_match: int = LOOKUP_MAX_MATCH) -> list[int]:
+def prompt_lookup(
+    tokens: Sequence[int], max_tokens: int, min_match: int, max_match: int = LOOKUP_MAX_MATCH
+) -> list[int]:
     """Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n tokens, for the
     longest n from max_match down to min_match that occurs, and copy max_tokens tokens from just after
     it; [] if no such n-gram recurs. Uses nothing but `tokens`.
@@ -203,7 +226,10 @@ def draft_batch(
     logprobs) instead of a model draft: long repeats (code, quotes, edits) are copied better than guessed.
     """
     rows = [list(row) for row in batch]
-    limits, thresholds = _per_row(max_tokens, len(rows), "max_tokens"), _per_row(min_confidence, len(rows), "min_confidence")
+    limits, thresholds = (
+        _per_row(max_tokens, len(rows), "max_tokens"),
+        _per_row(min_confidence, len(rows), "min_confidence"),
+    )
     min_matches = _per_row(lookup_min_match, len(rows), "lookup_min_match")
     _check_batch(drafter, rows, limits, thresholds, min_matches)
     budgets = [min(limit, drafter.max_context - len(row)) for row, limit in zip(rows, limits)]
@@ -218,7 +244,14 @@ def draft_batch(
     with drafter.lock:
         for start in range(0, len(modelled), per_call):
             part = modelled[start : start + per_call]
-            made = _draft_rows(drafter, [rows[i] for i in part], [budgets[i] for i in part], [thresholds[i] for i in part], stop_ids, return_logprobs)
+            made = _draft_rows(
+                drafter,
+                [rows[i] for i in part],
+                [budgets[i] for i in part],
+                [thresholds[i] for i in part],
+                stop_ids,
+                return_logprobs,
+            )
             for i, draft in zip(part, made):
                 drafts[i] = draft
     return drafts
@@ -236,35 +269,50 @@ def _per_row(value, n_rows: int, name: str) -> list:
     return values
 
 
-def _check_batch(drafter: Drafter, rows: list[list[int]], limits: list[int], thresholds: list[float], min_matches: list[int | None]) -> None:
+def _check_batch(
+    drafter: Drafter, rows: list[list[int]], limits: list[int], thresholds: list[float], min_matches: list[int | None]
+) -> None:
     for i, (row, limit, threshold, min_match) in enumerate(zip(rows, limits, thresholds, min_matches)):
         if not row:
             raise ValueError(f"row {i}: empty token sequence; send at least one token id")
         if len(row) > drafter.max_context:
             raise ValueError(f"row {i}: {len(row)} tokens exceed the context limit of {drafter.max_context}")
-        not_int = next((j for j, t in enumerate(row) if type(t) is not int), None)  # bool is an int subclass, not a token
+        not_int = next(
+            (j for j, t in enumerate(row) if type(t) is not int), None
+        )  # bool is an int subclass, not a token
         if not_int is not None:
             raise ValueError(f"row {i}: token id {row[not_int]!r} at position {not_int} is not an int")
         bad = next((j for j, t in enumerate(row) if not 0 <= t < drafter.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"row {i}: token id {row[bad]} at position {bad} is outside the vocabulary 0..{drafter.vocab_size - 1}")
+            raise ValueError(
+                f"row {i}: token id {row[bad]} at position {bad} is outside the vocabulary 0..{drafter.vocab_size - 1}"
+            )
         if not (isinstance(limit, int) and limit >= 0):
             raise ValueError(f"row {i}: max_tokens must be a non-negative integer, got {limit!r}")
         if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
             raise ValueError(f"row {i}: min_confidence must be a probability in [0, 1], got {threshold!r}")
         if min_match is not None and not (type(min_match) is int and 0 <= min_match <= LOOKUP_MAX_MATCH):
-            raise ValueError(f"row {i}: lookup_min_match must be None or 0 (off) or an integer in 1..{LOOKUP_MAX_MATCH}, got {min_match!r}")
+            raise ValueError(
+                f"row {i}: lookup_min_match must be None or 0 (off) or an integer in 1..{LOOKUP_MAX_MATCH}, got {min_match!r}"
+            )
 
 
 def _draft_rows(
-    drafter: Drafter, rows: list[list[int]], budgets: list[int], thresholds: list[float], stop_ids: Sequence[int], want_logprobs: bool
+    drafter: Drafter,
+    rows: list[list[int]],
+    budgets: list[int],
+    thresholds: list[float],
+    stop_ids: Sequence[int],
+    want_logprobs: bool,
 ) -> list[Draft]:
     cache = drafter.cache
     slots, reused = cache.assign(rows)
     # Decode reads every row's slot up to the longest row plus the largest budget, whichever rows those are.
     cache.clear_garbage(slots, min(max(map(len, rows)) + max(budgets), cache.max_len))
     first_logits = _prefill(drafter.model, cache, rows, slots, reused)
-    tokens, counts, logprobs = _decode(drafter.model, cache, first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs)
+    tokens, counts, logprobs = _decode(
+        drafter.model, cache, first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs
+    )
     tokens, counts = tokens.tolist(), counts.tolist()  # the one device -> host transfer of the call
     logprobs = logprobs.tolist() if want_logprobs else None
     drafts = []
@@ -275,7 +323,9 @@ def _draft_rows(
     return drafts
 
 
-def _prefill(model: Transformer, cache: KVCache, rows: list[list[int]], slots: list[int], reused: list[int]) -> torch.Tensor:
+def _prefill(
+    model: Transformer, cache: KVCache, rows: list[list[int]], slots: list[int], reused: list[int]
+) -> torch.Tensor:
     """Run each row's uncached suffix through the model, in chunks; the last token's logits (B, vocab)."""
     device = model.norm.weight.device
     suffixes = [row[r:] for row, r in zip(rows, reused)]
@@ -295,7 +345,9 @@ def _prefill(model: Transformer, cache: KVCache, rows: list[list[int]], slots: l
         kv_len = max(r + min(len(s), start + width) for s, r in zip(suffixes, reused))
         # A padding query sees keys of its row's slot under the causal mask too; its output is dropped.
         causal = start == 0 and not any(reused)
-        at = ForwardInputs(torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), slots, kv_len, causal)
+        at = ForwardInputs(
+            torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), slots, kv_len, causal
+        )
         hidden = model(torch.tensor(token_ids, device=device), cache, at)  # (B, width, hidden)
         for b, suffix in enumerate(suffixes):
             if start <= len(suffix) - 1 < start + width:

@@ -41,7 +41,9 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return values.reshape(-1, *packed.shape[1:]).movedim(0, dim)
 
 
-def gptq_pack(int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
+def gptq_pack(
+    int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """GPTQ v1 tensors for one Linear. int_weight [N, K] and zeros [K/G, N] hold 0..15; scales [K/G, N]."""
     stored_zeros = (zeros.to(torch.int64) - ZERO_OFFSET["gptq"]) & 0xF
     return {
@@ -52,14 +54,20 @@ def gptq_pack(int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
     }
 
 
-def gptq_integers(qweight: torch.Tensor, qzeros: torch.Tensor, checkpoint_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq_integers(
+    qweight: torch.Tensor, qzeros: torch.Tensor, checkpoint_format: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4-bit weights q (K, N) and the real zero points (K/G, N) of GPTQ tensors."""
     zeros = (unpack_int4(qzeros, dim=1) + ZERO_OFFSET[checkpoint_format]) & 0xF
     return unpack_int4(qweight, dim=0), zeros
 
 
 def gptq_dequantize(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, checkpoint_format: str = "gptq"
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    checkpoint_format: str = "gptq",
 ) -> torch.Tensor:
     """The fp32 weight [N, K] (nn.Linear layout) that a GPTQ checkpoint means."""
     q, zeros = gptq_integers(qweight, qzeros, checkpoint_format)
@@ -80,7 +88,9 @@ def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, 
     # The stored fp16 scale is what dequantizes; the floor keeps an all-zero group's scale a normal fp16.
     scales = ((high - low) / 15).clamp(min=2**-14).half().float()
     zeros = torch.full_like(scales, 8) if sym else torch.round(-low / scales).clamp(0, 15)
-    ints = torch.clamp(torch.round(groups / scales[..., None]) + zeros[..., None], 0, 15).reshape(out_features, in_features)
+    ints = torch.clamp(torch.round(groups / scales[..., None]) + zeros[..., None], 0, 15).reshape(
+        out_features, in_features
+    )
     return gptq_pack(ints.long(), zeros.long().t(), scales.t(), torch.arange(in_features) // group_size)
 
 
@@ -123,7 +133,9 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.dense_prefill = out_features % 64 == 0 and kernel_layout_is_known()
         self.register_buffer("packed_weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales_and_offsets", torch.empty(in_features // group_size, out_features, 2, dtype=INT4_KERNEL_DTYPE))
+        self.register_buffer(
+            "scales_and_offsets", torch.empty(in_features // group_size, out_features, 2, dtype=INT4_KERNEL_DTYPE)
+        )
         self.bias = nn.Parameter(torch.empty(out_features, dtype=INT4_KERNEL_DTYPE)) if bias else None
 
     @staticmethod
@@ -176,8 +188,13 @@ class Int4Linear(nn.Module):
             # Unpacked a block of rows at a time, so the temporaries stay small: unpacking a whole fused
             # 6144x1024 layer at once cost 1.6x more per weight than 3072 rows (fresh pages every call).
             blocks = range(0, self.out_features, DENSE_PREFILL_BLOCK)
-            out = torch.cat([flat @ self.dense_weight(b, min(b + DENSE_PREFILL_BLOCK, self.out_features)).t() for b in blocks], dim=-1)
+            out = torch.cat(
+                [flat @ self.dense_weight(b, min(b + DENSE_PREFILL_BLOCK, self.out_features)).t() for b in blocks],
+                dim=-1,
+            )
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size, self.scales_and_offsets)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.packed_weight, self.group_size, self.scales_and_offsets
+            )
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out

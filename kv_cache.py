@@ -8,12 +8,20 @@ prefix is never read.
 import torch
 
 
-
 class KVCache:
     """`num_slots` sequences of up to `max_len` tokens each, plus one scratch slot that absorbs the
     writes of padding and finished rows so they can never touch a real sequence."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         if num_slots < 2:
             raise ValueError(f"cache_slots must be at least 2, got {num_slots}")
         shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
@@ -61,7 +69,9 @@ class KVCache:
         (a system prompt) with another keeps its own slot.
         """
         if len(batch) > self.num_slots // 2:
-            raise ValueError(f"a batch of {len(batch)} needs at least {2 * len(batch)} cache slots, have {self.num_slots}")
+            raise ValueError(
+                f"a batch of {len(batch)} needs at least {2 * len(batch)} cache slots, have {self.num_slots}"
+            )
         matches = [self.longest_prefix(row) for row in batch]
         # At least one token per row must go through the model to produce its next-token logits.
         reuse = [min(n, len(row) - 1) for row, (_, n) in zip(batch, matches)]
@@ -70,7 +80,9 @@ class KVCache:
         for i, (slot, n) in enumerate(matches):
             if reuse[i] > 0 and n >= self.prompt_len[slot] and slot not in targets:
                 targets[i] = slot
-        free = sorted((s for s in range(self.num_slots) if s not in sources and s not in targets), key=lambda s: self.last_used[s])
+        free = sorted(
+            (s for s in range(self.num_slots) if s not in sources and s not in targets), key=lambda s: self.last_used[s]
+        )
         for i, (slot, _) in enumerate(matches):
             if targets[i] is None:
                 targets[i] = free.pop(0)

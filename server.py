@@ -119,7 +119,9 @@ class ErrorResponse(BaseModel):
     detail: str
 
 
-def token_ids_problem(token_ids: list[int], vocab_size: int, max_context: int, vocabulary: str | None = None) -> str | None:
+def token_ids_problem(
+    token_ids: list[int], vocab_size: int, max_context: int, vocabulary: str | None = None
+) -> str | None:
     """Why the model cannot take `token_ids` (naming the offending position and the limit), or None.
     `vocabulary` (the model card's) names the tokenizer, since ids from another one are the likely cause."""
     if not token_ids:
@@ -128,7 +130,9 @@ def token_ids_problem(token_ids: list[int], vocab_size: int, max_context: int, v
         return f"token_ids has {len(token_ids)} tokens; the context limit is {max_context}"
     for position, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            tokenizer = f" (this drafter reads {vocabulary}; ids from another tokenizer do not fit)" if vocabulary else ""
+            tokenizer = (
+                f" (this drafter reads {vocabulary}; ids from another tokenizer do not fit)" if vocabulary else ""
+            )
             return f"token_ids[{position}] = {token_id} is outside the vocabulary: ids must be in 0..{vocab_size - 1}{tokenizer}"
     return None
 
@@ -166,7 +170,9 @@ class Metrics:
             "draft_server_failed_batches", "draft_batch calls that raised", registry=r
         )
         self.prompt_tokens = prometheus_client.Counter(
-            "draft_server_prompt_tokens", "Prompt tokens of the requests the model drafted (not lookup drafts)", registry=r
+            "draft_server_prompt_tokens",
+            "Prompt tokens of the requests the model drafted (not lookup drafts)",
+            registry=r,
         )
         self.cached_tokens = prometheus_client.Counter(
             "draft_server_cached_tokens", "Prompt tokens whose KV came from the prefix cache", registry=r
@@ -468,10 +474,19 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
         load_seconds = time.perf_counter() - started
 
         def draft_fn(
-            batch: list[list[int]], max_tokens: list[int], min_confidence: list[float], lookup_min_match: list[int], return_logprobs: bool
+            batch: list[list[int]],
+            max_tokens: list[int],
+            min_confidence: list[float],
+            lookup_min_match: list[int],
+            return_logprobs: bool,
         ) -> list[draft_model.Draft]:
             return draft_model.draft_batch(
-                drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence, lookup_min_match=lookup_min_match
+                drafter,
+                batch,
+                max_tokens,
+                return_logprobs,
+                min_confidence=min_confidence,
+                lookup_min_match=lookup_min_match,
             )
 
         batcher = Batcher(draft_fn, settings.max_batch_size, settings.max_wait_ms, settings.max_queue, metrics)
@@ -505,13 +520,17 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
     @app.post("/draft", response_model=DraftResponse, responses=error_responses)
     async def draft(request: DraftRequest, http_request: fastapi.Request) -> DraftResponse | Response:  # type: ignore[valid-type]
         drafter = state["drafter"]
-        problem = token_ids_problem(request.token_ids, drafter.vocab_size, drafter.max_context, drafter.model_card.get("vocabulary"))
+        problem = token_ids_problem(
+            request.token_ids, drafter.vocab_size, drafter.max_context, drafter.model_card.get("vocabulary")
+        )
         if problem:
             raise fastapi.HTTPException(400, problem)
         try:
             min_confidence = settings.min_confidence if request.min_confidence is None else request.min_confidence
             min_match = settings.lookup_min_match if request.lookup_min_match is None else request.lookup_min_match
-            future = state["batcher"].submit(request.token_ids, request.max_tokens, min_confidence, min_match, request.return_logprobs)
+            future = state["batcher"].submit(
+                request.token_ids, request.max_tokens, min_confidence, min_match, request.return_logprobs
+            )
         except Unavailable as reason:
             raise fastapi.HTTPException(
                 503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s", {"Retry-After": str(RETRY_AFTER_SECONDS)}
@@ -533,7 +552,9 @@ def create_app(settings: ServerSettings) -> fastapi.FastAPI:
     async def health() -> dict:
         drafter, batcher = state["drafter"], state["batcher"]
         if batcher.task is None or batcher.task.done():  # nothing would ever answer /draft: say so to the balancer
-            raise fastapi.HTTPException(503, "the batcher is not running; restart the server", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+            raise fastapi.HTTPException(
+                503, "the batcher is not running; restart the server", {"Retry-After": str(RETRY_AFTER_SECONDS)}
+            )
         return {
             "status": "ok",
             "model": drafter.describe(),

@@ -13,6 +13,7 @@ from torch import nn
 from int4 import Int4Linear
 from kv_cache import KVCache
 
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -49,7 +50,9 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for the half-split RoPE form. positions (B, T) -> two (B, T, 1, head_dim) tensors."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
@@ -62,6 +65,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return x * cos + rotated * sin
+
 
 # ----------------------------------------------------------------------------------------------
 # LoRA (a PEFT adapter kept unmerged as A, B and scale, or merged into the base weight)
@@ -94,7 +98,10 @@ class LoRALinear(nn.Module):
 # becomes one module with the outputs concatenated; a decode step then makes one INT4 kernel call and
 # one pair of LoRA matmuls where it made three, which matters where per-call overhead is the cost.
 
-FUSED_PROJECTIONS = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+FUSED_PROJECTIONS = {
+    "self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "mlp": ("gate_up_proj", ("gate_proj", "up_proj")),
+}
 
 
 class Concat(nn.Module):
@@ -116,7 +123,9 @@ def concat_outputs(parts: list[nn.Module]) -> nn.Module:
         # outputs, and nothing to a part without an adapter (an empty block: its side output is exactly 0).
         bases = [p.base if isinstance(p, LoRALinear) else p for p in parts]
         lora_A = torch.cat([a.lora_A for a in adapters])  # (adapters * r, in)
-        lora_B = torch.block_diag(*[p.lora_B if isinstance(p, LoRALinear) else torch.zeros(p.out_features, 0) for p in parts])
+        lora_B = torch.block_diag(
+            *[p.lora_B if isinstance(p, LoRALinear) else torch.zeros(p.out_features, 0) for p in parts]
+        )
         return LoRALinear(concat_outputs(bases), lora_A, lora_B, scale=1.0)  # each B carries its own scale
     kinds, biases = {type(p) for p in parts}, [p.bias for p in parts]
     if len(kinds) > 1 or len({b is None for b in biases}) > 1:
@@ -128,7 +137,11 @@ def concat_outputs(parts: list[nn.Module]) -> nn.Module:
             fused = nn.Linear(in_features, out_features, bias=bool(bias))
         fused.load_state_dict({"weight": torch.cat([p.weight for p in parts])} | bias, assign=True)
         return fused
-    if kinds == {Int4Linear} and len({p.group_size for p in parts}) == 1 and all(p.out_features % 64 == 0 for p in parts):
+    if (
+        kinds == {Int4Linear}
+        and len({p.group_size for p in parts}) == 1
+        and all(p.out_features % 64 == 0 for p in parts)
+    ):
         # The kernel stores 64 output rows per block, so whole blocks concatenate like rows.
         with torch.device("meta"):
             fused = Int4Linear(in_features, out_features, parts[0].group_size, bias=bool(bias))
@@ -192,7 +205,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, at.write_slots, at.positions, k, v)
         keys, values = cache.read(layer, at.read_slots, at.kv_len)  # (B, H_kv, kv_len, D)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 

@@ -23,7 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tqdm import tqdm
 
 from evidence import common
-from evidence.prepare_prompts import PromptCollector, add_source_arguments, load_tokenizer, pins, read_source, source_paths, subsample
+from evidence.prepare_prompts import (
+    PromptCollector,
+    add_source_arguments,
+    load_tokenizer,
+    pins,
+    read_source,
+    source_paths,
+    subsample,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,15 +46,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.per_language_cap < 1 or args.max_prompt_tokens < 1:
-        raise common.UserError(f"--per-language-cap and --max-prompt-tokens must be at least 1, got {args.per_language_cap} and {args.max_prompt_tokens}")
+        raise common.UserError(
+            f"--per-language-cap and --max-prompt-tokens must be at least 1, got {args.per_language_cap} and {args.max_prompt_tokens}"
+        )
     logger = common.setup_logging(common.log_path_beside(args.out, "add_aya"), "add_aya")
     logger.info("command: python evidence/add_aya.py %s", " ".join(sys.argv[1:] if argv is None else argv))
     existing = common.read_jsonl(args.prompts)
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
-    collector = PromptCollector(tokenizer, args.enable_thinking, args.max_prompt_tokens, seen={tuple(row["token_ids"]) for row in existing})
+    collector = PromptCollector(
+        tokenizer, args.enable_thinking, args.max_prompt_tokens, seen={tuple(row["token_ids"]) for row in existing}
+    )
     entry, paths = source_paths(args, args.source, logger)
     if entry.get("format") != "aya":
-        raise common.UserError(f"dataset '{args.source}' has format {entry.get('format')!r}; add_aya.py reads format 'aya'")
+        raise common.UserError(
+            f"dataset '{args.source}' has format {entry.get('format')!r}; add_aya.py reads format 'aya'"
+        )
     by_language: dict[str, list[dict]] = defaultdict(list)
     for prompt_id, messages, extra in tqdm(read_source(args.source, entry, paths), desc=args.source, unit="row"):
         row = collector.add(args.source, prompt_id, messages)
@@ -57,13 +71,18 @@ def main(argv: list[str] | None = None) -> dict:
     added.sort(key=lambda row: (row["language"], common.stable_hash_fraction(row["id"])))
     common.write_jsonl(args.out, existing + added)
     summary = {
-        "per_language_cap": args.per_language_cap, "enable_thinking": args.enable_thinking,
-        "counts": dict(collector.counts.get(args.source, {})), "added": len(added),
+        "per_language_cap": args.per_language_cap,
+        "enable_thinking": args.enable_thinking,
+        "counts": dict(collector.counts.get(args.source, {})),
+        "added": len(added),
         "added_per_language": dict(sorted(Counter(row["language"] for row in added).items())),
-        "total": len(existing) + len(added), "sources": pins(args.manifest, [args.source]),
+        "total": len(existing) + len(added),
+        "sources": pins(args.manifest, [args.source]),
     }
     common.atomic_write_json(common.log_path_beside(args.out, "add_aya").with_suffix(".json"), summary)
-    logger.info("added %d aya prompts in %d languages; %d prompts in all", len(added), len(by_language), summary["total"])
+    logger.info(
+        "added %d aya prompts in %d languages; %d prompts in all", len(added), len(by_language), summary["total"]
+    )
     return summary
 
 

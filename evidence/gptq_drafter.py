@@ -132,7 +132,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, settings: QuantSe
     H[dead, dead] = 1
     W[:, dead] = 0
     device = W.device
-    order = torch.argsort(H.diagonal(), descending=True) if settings.act_order else torch.arange(in_features, device=device)
+    order = (
+        torch.argsort(H.diagonal(), descending=True) if settings.act_order else torch.arange(in_features, device=device)
+    )
     W, H = W[:, order], H[order][:, order]
     H.diagonal().add_(settings.damp_percent * H.diagonal().mean())
     # Upper Cholesky factor of H^-1: row i holds the update coefficients for the columns after i.
@@ -211,7 +213,9 @@ def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> tor
 
 
 @torch.no_grad()
-def collect_hessians(layer: torch.nn.Module, names: tuple[str, ...], inputs: list[tuple[torch.Tensor, dict]]) -> dict[str, torch.Tensor]:
+def collect_hessians(
+    layer: torch.nn.Module, names: tuple[str, ...], inputs: list[tuple[torch.Tensor, dict]]
+) -> dict[str, torch.Tensor]:
     """H = 2 X^T X / n [in, in] for each named Linear of `layer`, over every calibration token."""
     sums: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(names, 0)
@@ -221,6 +225,7 @@ def collect_hessians(layer: torch.nn.Module, names: tuple[str, ...], inputs: lis
             x = args[0].reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
             sums[name] = sums.get(name, 0) + x.t() @ x
             counts[name] += x.shape[0]
+
         return hook
 
     handles = [layer.get_submodule(name).register_forward_pre_hook(accumulate(name)) for name in names]
@@ -233,7 +238,9 @@ def collect_hessians(layer: torch.nn.Module, names: tuple[str, ...], inputs: lis
     return {name: 2 * sums[name] / counts[name] for name in names}
 
 
-def quantize_model(model: torch.nn.Module, sequences: list[torch.Tensor], settings: QuantSettings, logger) -> dict[str, QuantizedLinear]:
+def quantize_model(
+    model: torch.nn.Module, sequences: list[torch.Tensor], settings: QuantSettings, logger
+) -> dict[str, QuantizedLinear]:
     """GPTQ every projection of every decoder layer in place (the model's weights become the
     dequantized INT4 weights); returns the quantized tensors by HF module name."""
     quantized: dict[str, QuantizedLinear] = {}
@@ -263,7 +270,10 @@ def packed_weight(result: QuantizedLinear) -> torch.Tensor:
 def hessian_error(original: torch.Tensor, result: QuantizedLinear, hessian: torch.Tensor) -> float:
     """tr(D H D^T) / tr(W H W^T) with D = W - Q: the relative squared output error on calibration inputs."""
     difference = original - result.dequantize()
-    return float(torch.einsum("oi,ij,oj->", difference, hessian, difference) / torch.einsum("oi,ij,oj->", original, hessian, original).clamp_min(1e-30))
+    return float(
+        torch.einsum("oi,ij,oj->", difference, hessian, difference)
+        / torch.einsum("oi,ij,oj->", original, hessian, original).clamp_min(1e-30)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,7 +285,10 @@ def is_tied(model: torch.nn.Module) -> bool:
 
 
 def package_tensors(
-    model: torch.nn.Module, quantized: dict[str, QuantizedLinear], store_dtype: torch.dtype, embedding: dict[str, torch.Tensor] | None
+    model: torch.nn.Module,
+    quantized: dict[str, QuantizedLinear],
+    store_dtype: torch.dtype,
+    embedding: dict[str, torch.Tensor] | None,
 ) -> dict[str, torch.Tensor]:
     """Quantized projections (and the quantized embedding, if any) as GPTQ tensors; every other tensor
     under its HF name in `store_dtype`; a tied lm_head is left out (the loader re-ties it)."""
@@ -299,13 +312,19 @@ def check_embedding_group_size(model: torch.nn.Module, group_size: int, logger) 
     """Refuse, before any work, a table --embedding-group-size cannot quantize; warn when draft_model's
     packed path would have to keep it dense."""
     if not is_tied(model):
-        raise common.UserError("--embedding-group-size needs a tied embedding (tie_word_embeddings): the INT4 table serves both ends")
+        raise common.UserError(
+            "--embedding-group-size needs a tied embedding (tie_word_embeddings): the INT4 table serves both ends"
+        )
     vocab, hidden = model.get_input_embeddings().weight.shape
     if hidden % group_size:
         raise common.UserError(f"--embedding-group-size {group_size} does not divide the hidden size {hidden}")
     if group_size not in int4.INT4_KERNEL_GROUP_SIZES or vocab % 64:
-        logger.warning("the packed INT4 path reads the table with groups in %s and a vocabulary divisible by 64 (here %d, %d): it will load dense",
-                       int4.INT4_KERNEL_GROUP_SIZES, group_size, vocab)
+        logger.warning(
+            "the packed INT4 path reads the table with groups in %s and a vocabulary divisible by 64 (here %d, %d): it will load dense",
+            int4.INT4_KERNEL_GROUP_SIZES,
+            group_size,
+            vocab,
+        )
 
 
 @torch.no_grad()
@@ -325,7 +344,9 @@ def round_unquantized(model: torch.nn.Module, quantized: dict[str, QuantizedLine
                 parameter.copy_(parameter.to(store_dtype).to(parameter.dtype))
 
 
-def write_package(out_dir: Path, model: torch.nn.Module, tensors: dict[str, torch.Tensor], quant_config: dict, model_card: dict) -> None:
+def write_package(
+    out_dir: Path, model: torch.nn.Module, tensors: dict[str, torch.Tensor], quant_config: dict, model_card: dict
+) -> None:
     with common.atomic_directory(out_dir) as staging:
         model.config.save_pretrained(staging)
         if model.generation_config is not None:
@@ -339,7 +360,11 @@ def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_si
     """HF GPTQConfig field names. desc_act tells loaders whether g_idx is a reordering; with static groups
     it is not (columns were visited in act-order, but every group is still G consecutive columns).
     quantized_embedding is this project's extension (draft_model reads it)."""
-    embedding = {"quantized_embedding": {"group_size": embedding_group_size, "method": "rtn", "sym": False}} if embedding_group_size else {}
+    embedding = (
+        {"quantized_embedding": {"group_size": embedding_group_size, "method": "rtn", "sym": False}}
+        if embedding_group_size
+        else {}
+    )
     return embedding | {
         "quant_method": "gptq",
         "bits": BITS,
@@ -355,13 +380,17 @@ def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_si
     }
 
 
-def dequantized_model(package_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, with_lora: bool = True) -> torch.nn.Module:
+def dequantized_model(
+    package_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, with_lora: bool = True
+) -> torch.nn.Module:
     """The package as a Hugging Face model on exactly the weights draft_model computes with: INT4
     dequantized and, when asked, the LoRA adapter merged. Loading is draft_model's, so it is strict."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        drafter = draft_model.load_model(package_dir, "cpu", torch.float32, weights="dequant", use_lora=with_lora, cache_slots=2, max_context=1)
+        drafter = draft_model.load_model(
+            package_dir, "cpu", torch.float32, weights="dequant", use_lora=with_lora, cache_slots=2, max_context=1
+        )
     except draft_model.ModelLoadError as error:
         raise common.UserError(str(error)) from None
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(package_dir), dtype=torch.float32)
@@ -399,11 +428,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=False,
         help="with --act-order: fix each group's grid up front so g_idx stays k // group (INT4 kernels need that)",
     )
-    parser.add_argument("--embedding-group-size", type=int, default=None, help="also round the tied embedding to INT4 in groups of G (default: keep it in --store-dtype)")
+    parser.add_argument(
+        "--embedding-group-size",
+        type=int,
+        default=None,
+        help="also round the tied embedding to INT4 in groups of G (default: keep it in --store-dtype)",
+    )
     parser.add_argument("--damp-percent", type=float, default=0.01)
     parser.add_argument("--calib-samples", type=int, default=256)
     parser.add_argument("--calib-max-tokens", type=int, default=2048)
-    parser.add_argument("--store-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="dtype of the unquantized tensors")
+    parser.add_argument(
+        "--store-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="dtype of the unquantized tensors",
+    )
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--name", default="drafter-int4", help="model_card.json name")
     parser.add_argument("--card", type=Path, default=None, help="JSON file of extra model_card.json fields")
@@ -439,20 +478,33 @@ def main(argv: list[str] | None = None) -> dict:
     round_unquantized(model, quantized, store_dtype)
     embedding = quantize_embedding(model, args.embedding_group_size) if args.embedding_group_size else None
     int4_argmax = teacher_forced_argmax(model, holdout)
-    card = {"name": args.name, "description": "GPTQ INT4 drafter distilled from the target's greedy continuations",
-            "random_weights": False, **(common.read_json(args.card, "model card") if args.card else {})}
+    card = {
+        "name": args.name,
+        "description": "GPTQ INT4 drafter distilled from the target's greedy continuations",
+        "random_weights": False,
+        **(common.read_json(args.card, "model card") if args.card else {}),
+    }
     config = quant_config(settings, len(sequences), args.embedding_group_size)
     write_package(args.out, model, package_tensors(model, quantized, store_dtype, embedding), config, card)
     report = {
-        "settings": asdict(settings), "store_dtype": args.store_dtype, "embedding_group_size": args.embedding_group_size, "calibration_sequences": len(sequences),
+        "settings": asdict(settings),
+        "store_dtype": args.store_dtype,
+        "embedding_group_size": args.embedding_group_size,
+        "calibration_sequences": len(sequences),
         "calibration_tokens": sum(len(s) for s in sequences),
-        "student_holdout": asdict(tau_from_matches([p == e["tokens"] for p, e in zip(student_argmax, holdout)], args.k)),
+        "student_holdout": asdict(
+            tau_from_matches([p == e["tokens"] for p, e in zip(student_argmax, holdout)], args.k)
+        ),
         "int4_holdout": asdict(tau_from_matches([p == e["tokens"] for p, e in zip(int4_argmax, holdout)], args.k)),
         "int4_vs_student_top1_agreement": argmax_agreement(int4_argmax, student_argmax),
     }
     common.atomic_write_json(common.log_path_beside(args.out, "gptq_drafter").with_suffix(".json"), report)
-    logger.info("holdout tau: student %.4f, INT4 %.4f; INT4 vs student top-1 agreement %.4f",
-                report["student_holdout"]["tau"], report["int4_holdout"]["tau"], report["int4_vs_student_top1_agreement"])
+    logger.info(
+        "holdout tau: student %.4f, INT4 %.4f; INT4 vs student top-1 agreement %.4f",
+        report["student_holdout"]["tau"],
+        report["int4_holdout"]["tau"],
+        report["int4_vs_student_top1_agreement"],
+    )
     return report
 
 

@@ -64,7 +64,11 @@ def latency(device: str, repeats: int, scratch: Path) -> dict:
     """Batch-1 16-token draft after a 512-token prompt on the Qwen3-1.7B shape, cold and cached (ms)."""
     package = scratch / "qwen3-1.7b"
     flags = SHAPES["qwen3-1.7b"].split() + ["--group-size", "128", "--embedding-group-size", "128", "--lora-rank", "0"]
-    subprocess.run([sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags, "--output", str(package)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags, "--output", str(package)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     drafter = draft_model.load_model(package, device, "bfloat16", cache_slots=4, max_context=1024)
     prompts = Prompts(drafter.vocab_size, seed=2)
     cold, cached = [], []
@@ -80,25 +84,38 @@ def latency(device: str, repeats: int, scratch: Path) -> dict:
         draft_model.draft_batch(drafter, [follow_up], DRAFT_TOKENS, stop_token_ids=[])
         synchronize(device)
         cached.append(time.perf_counter() - start)
-    return {"cold_ms": 1000 * statistics.median(cold[1:]), "cached_ms": 1000 * statistics.median(cached[1:]),
-            "goal_ms": LATENCY_GOAL_MS, "weights": drafter.weights, "weight_bytes": drafter.weight_bytes()}
+    return {
+        "cold_ms": 1000 * statistics.median(cold[1:]),
+        "cached_ms": 1000 * statistics.median(cached[1:]),
+        "goal_ms": LATENCY_GOAL_MS,
+        "weights": drafter.weights,
+        "weight_bytes": drafter.weight_bytes(),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="the accelerator to check (default cuda)")
-    parser.add_argument("--package", type=Path, default=REPO / "model", help="package for the exactness check (default model/)")
+    parser.add_argument(
+        "--package", type=Path, default=REPO / "model", help="package for the exactness check (default model/)"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed drafts per figure (median reported)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise common.UserError("no CUDA device here: run this on the machine with the GPU (or give --device cpu to try the script)")
+        raise common.UserError(
+            "no CUDA device here: run this on the machine with the GPU (or give --device cpu to try the script)"
+        )
     if args.repeats < 1:
         raise common.UserError(f"--repeats must be at least 1, got {args.repeats}")
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     with tempfile.TemporaryDirectory() as scratch:
-        report = {"device": name, "torch": torch.__version__, "exactness": exactness(args.package, args.device),
-                  "latency_qwen3_1.7b_shape": latency(args.device, args.repeats, Path(scratch))}
+        report = {
+            "device": name,
+            "torch": torch.__version__,
+            "exactness": exactness(args.package, args.device),
+            "latency_qwen3_1.7b_shape": latency(args.device, args.repeats, Path(scratch)),
+        }
     print(json.dumps(report, indent=2))
     if args.json is not None:
         common.atomic_write_json(args.json, report)

@@ -41,7 +41,9 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, ta
     is exactly the INT4 model)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, config)
 
 
@@ -58,7 +60,12 @@ def write_adapter(peft_model: torch.nn.Module, package_dir: Path, base_name: str
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--package", type=Path, required=True, help="model package from gptq_drafter.py (the adapter is written into it)")
+    parser.add_argument(
+        "--package",
+        type=Path,
+        required=True,
+        help="model package from gptq_drafter.py (the adapter is written into it)",
+    )
     parser.add_argument("--data", type=Path, required=True, help="gen_data.py output directory")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
@@ -80,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     logger = common.setup_logging(common.log_path_beside(args.package, "lora_after_gptq"), "lora_after_gptq")
     logger.info("command: python evidence/lora_after_gptq.py %s", " ".join(sys.argv[1:] if argv is None else argv))
     if not (args.package / checkpoint.PACKAGE_WEIGHTS).is_file():
-        raise common.UserError(f"--package {args.package} has no {checkpoint.PACKAGE_WEIGHTS}; run gptq_drafter.py first")
+        raise common.UserError(
+            f"--package {args.package} has no {checkpoint.PACKAGE_WEIGHTS}; run gptq_drafter.py first"
+        )
     torch.manual_seed(settings.seed)
     device = common.pick_device(args.device)
     train_examples, holdout = load_examples(args.data, "train"), load_examples(args.data, "holdout")
@@ -92,13 +101,22 @@ def main(argv: list[str] | None = None) -> dict:
     written = dequantized_model(args.package, device=device, with_lora=True)
     after = offline_tau(written, holdout, settings.k, settings.eval_batch_size, progress=False)
     report = {
-        "lora": {"r": args.rank, "lora_alpha": args.alpha, "lora_dropout": args.dropout, "target_modules": args.target_modules},
-        "settings": asdict(settings), **result,
-        "holdout_tau_before": result["history"][0]["holdout_tau"], "holdout_tau_after": after.tau,
+        "lora": {
+            "r": args.rank,
+            "lora_alpha": args.alpha,
+            "lora_dropout": args.dropout,
+            "target_modules": args.target_modules,
+        },
+        "settings": asdict(settings),
+        **result,
+        "holdout_tau_before": result["history"][0]["holdout_tau"],
+        "holdout_tau_after": after.tau,
         "holdout_after": asdict(after),
     }
     common.atomic_write_json(common.log_path_beside(args.package, "lora_after_gptq").with_suffix(".json"), report)
-    logger.info("holdout tau: INT4 %.4f -> INT4 + LoRA %.4f (package as written)", report["holdout_tau_before"], after.tau)
+    logger.info(
+        "holdout tau: INT4 %.4f -> INT4 + LoRA %.4f (package as written)", report["holdout_tau_before"], after.tau
+    )
     return report
 
 

@@ -43,9 +43,13 @@ SENTINEL = "\x00MAGPIE_USER_TURN\x00"
 
 def user_prefix_ids(tokenizer, enable_thinking: bool) -> list[int]:
     """Token ids of the chat template up to where a user message's text begins."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False, enable_thinking=enable_thinking)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": SENTINEL}], tokenize=False, enable_thinking=enable_thinking
+    )
     if SENTINEL not in text:
-        raise common.UserError("the tokenizer's chat template does not place the user message verbatim; Magpie needs it to")
+        raise common.UserError(
+            "the tokenizer's chat template does not place the user message verbatim; Magpie needs it to"
+        )
     return tokenizer(text[: text.index(SENTINEL)], add_special_tokens=False)["input_ids"]
 
 
@@ -59,17 +63,26 @@ def user_text(row: dict) -> str:
 
 
 @torch.no_grad()
-def sample_round(model, prefix: list[int], args: argparse.Namespace, end_ids: list[int], round_index: int) -> list[list[int] | None]:
+def sample_round(
+    model, prefix: list[int], args: argparse.Namespace, end_ids: list[int], round_index: int
+) -> list[list[int] | None]:
     """--batch-size sampled user turns (their token ids without the end-of-turn token), None where the
     turn did not end within --max-user-tokens."""
     torch.manual_seed(args.seed * 1_000_003 + round_index)
     input_ids = torch.tensor([prefix] * args.batch_size)  # [B, P]: the same prefix, so no padding
     output = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-        max_new_tokens=args.max_user_tokens, eos_token_id=end_ids, pad_token_id=end_ids[0],
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=True,
+        temperature=args.temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=args.max_user_tokens,
+        eos_token_id=end_ids,
+        pad_token_id=end_ids[0],
     )
     samples = []
-    for row in output[:, len(prefix):].tolist():
+    for row in output[:, len(prefix) :].tolist():
         ends = [position for position, token in enumerate(row) if token in end_ids]
         samples.append(row[: ends[0]] if ends else None)
     return samples
@@ -96,7 +109,9 @@ class MagpieFilter:
 
     def __init__(self, tokenizer, args: argparse.Namespace, existing: list[dict], excluded: list[dict]):
         self.tokenizer, self.min_words = tokenizer, args.min_words
-        self.collector = PromptCollector(tokenizer, args.enable_thinking, args.max_prompt_tokens, seen={tuple(r["token_ids"]) for r in existing})
+        self.collector = PromptCollector(
+            tokenizer, args.enable_thinking, args.max_prompt_tokens, seen={tuple(r["token_ids"]) for r in existing}
+        )
         self.seen_texts = {normalized(user_text(row)) for row in existing + excluded}
         self.dropped = Counter()
 
@@ -121,12 +136,19 @@ class MagpieFilter:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=Path, required=True, help="prompts.jsonl to extend")
-    parser.add_argument("--exclude", type=Path, nargs="*", default=[], help="prompts.jsonl files never to add to (e.g. MT-bench)")
+    parser.add_argument(
+        "--exclude", type=Path, nargs="*", default=[], help="prompts.jsonl files never to add to (e.g. MT-bench)"
+    )
     parser.add_argument("--teacher", required=True, help="the target model: directory or hub id")
     parser.add_argument("--teacher-revision", default=None)
     parser.add_argument("--tokenizer", required=True, help="the target's tokenizer: directory or hub id")
     parser.add_argument("--tokenizer-revision", default=None)
-    parser.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=False, help="Qwen3 chat template thinking mode (default off)")
+    parser.add_argument(
+        "--enable-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Qwen3 chat template thinking mode (default off)",
+    )
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--count", type=int, required=True, help="prompts to add")
     parser.add_argument("--seed", type=int, default=0)
@@ -134,7 +156,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="samples per round")
     parser.add_argument("--max-user-tokens", type=int, default=96, help="a user turn longer than this is dropped")
     parser.add_argument("--min-words", type=int, default=3)
-    parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds (default: 4 x count / batch size)")
+    parser.add_argument(
+        "--max-rounds", type=int, default=None, help="stop after this many rounds (default: 4 x count / batch size)"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", type=Path, required=True, help="prompts.jsonl to write")
     return parser.parse_args(argv)
@@ -158,19 +182,42 @@ def main(argv: list[str] | None = None) -> dict:
     teacher, revision = common.resolve_model(args.teacher, args.teacher_revision)
     prefix = user_prefix_ids(tokenizer, args.enable_thinking)
     turn_ends = [t for t in ("<|im_end|>", "<|eot_id|>") if t in tokenizer.get_vocab()]  # ChatML, Llama 3
-    end_ids = sorted({*tokenizer.convert_tokens_to_ids(turn_ends), *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+    end_ids = sorted(
+        {
+            *tokenizer.convert_tokens_to_ids(turn_ends),
+            *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []),
+        }
+    )
     if not end_ids:
-        raise common.UserError("the tokenizer names no end-of-turn token (eos, <|im_end|> or <|eot_id|>): Magpie cannot tell where a user turn ends")
-    settings = {"teacher": args.teacher, "teacher_revision": revision, "prefix": prefix, "end_ids": end_ids, "seed": args.seed,
-                "temperature": args.temperature, "batch_size": args.batch_size, "max_user_tokens": args.max_user_tokens, "dtype": args.dtype}
+        raise common.UserError(
+            "the tokenizer names no end-of-turn token (eos, <|im_end|> or <|eot_id|>): Magpie cannot tell where a user turn ends"
+        )
+    settings = {
+        "teacher": args.teacher,
+        "teacher_revision": revision,
+        "prefix": prefix,
+        "end_ids": end_ids,
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "batch_size": args.batch_size,
+        "max_user_tokens": args.max_user_tokens,
+        "dtype": args.dtype,
+    }
     rounds_path = common.log_path_beside(args.out, "magpie_prompts").with_suffix(".rounds.jsonl")
     rounds = read_rounds(rounds_path, settings)
     # Rewritten without a torn last line, so the rounds appended below start on a line of their own.
-    common.atomic_write_text(rounds_path, "".join(json.dumps(line) + "\n" for line in [{"settings": settings}, *rounds]))
+    common.atomic_write_text(
+        rounds_path, "".join(json.dumps(line) + "\n" for line in [{"settings": settings}, *rounds])
+    )
     logger.info("user prefix %r; %d finished round(s) found", tokenizer.decode(prefix), len(rounds))
 
     keep = MagpieFilter(tokenizer, args, existing, [row for path in args.exclude for row in common.read_jsonl(path)])
-    added = [row for r in rounds for i, s in enumerate(r["samples"]) if (row := keep.add(f"{SOURCE}:{r['round']}:{i}", s)) is not None]
+    added = [
+        row
+        for r in rounds
+        for i, s in enumerate(r["samples"])
+        if (row := keep.add(f"{SOURCE}:{r['round']}:{i}", s)) is not None
+    ]
     max_rounds = args.max_rounds or -(-4 * args.count // args.batch_size)
     model = None
     progress = tqdm(total=args.count, initial=min(len(added), args.count), desc="magpie prompts", unit="prompt")
@@ -181,24 +228,40 @@ def main(argv: list[str] | None = None) -> dict:
             if model is None:
                 from transformers import AutoModelForCausalLM
 
-                model = AutoModelForCausalLM.from_pretrained(teacher, revision=revision, dtype=getattr(torch, args.dtype)).eval()
+                model = AutoModelForCausalLM.from_pretrained(
+                    teacher, revision=revision, dtype=getattr(torch, args.dtype)
+                ).eval()
             samples = sample_round(model, prefix, args, end_ids, round_index)
             log.write(json.dumps({"round": round_index, "samples": samples}) + "\n")
             log.flush()
             before = len(added)
-            added += [row for i, s in enumerate(samples) if (row := keep.add(f"{SOURCE}:{round_index}:{i}", s)) is not None]
+            added += [
+                row for i, s in enumerate(samples) if (row := keep.add(f"{SOURCE}:{round_index}:{i}", s)) is not None
+            ]
             progress.update(min(len(added), args.count) - min(before, args.count))
     progress.close()
     added = added[: args.count]
     if len(added) < args.count:
-        logger.warning("only %d of %d prompts after %d rounds (dropped: %s)", len(added), args.count, max_rounds, dict(keep.dropped))
+        logger.warning(
+            "only %d of %d prompts after %d rounds (dropped: %s)",
+            len(added),
+            args.count,
+            max_rounds,
+            dict(keep.dropped),
+        )
     common.write_jsonl(args.out, existing + added)
     summary = {
-        "settings": settings, "count": args.count, "added": len(added), "total": len(existing) + len(added),
-        "dropped": dict(keep.dropped) | {k: v for k, v in keep.collector.counts.get(SOURCE, {}).items() if k in ("too_long", "duplicate")},
+        "settings": settings,
+        "count": args.count,
+        "added": len(added),
+        "total": len(existing) + len(added),
+        "dropped": dict(keep.dropped)
+        | {k: v for k, v in keep.collector.counts.get(SOURCE, {}).items() if k in ("too_long", "duplicate")},
     }
     common.atomic_write_json(common.log_path_beside(args.out, "magpie_prompts").with_suffix(".json"), summary)
-    logger.info("added %d Magpie prompts; %d prompts in all; dropped %s", len(added), summary["total"], summary["dropped"])
+    logger.info(
+        "added %d Magpie prompts; %d prompts in all; dropped %s", len(added), summary["total"], summary["dropped"]
+    )
     return summary
 
 

@@ -83,7 +83,9 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
     }
 
 
-def random_weights(config: dict, group_size: int, embedding_group_size: int | None, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: dict, group_size: int, embedding_group_size: int | None, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
     """Every tensor of model_int4.safetensors under its Hugging Face name."""
     std = 0.1  # large enough that greedy argmaxes are well separated
 
@@ -92,7 +94,10 @@ def random_weights(config: dict, group_size: int, embedding_group_size: int | No
 
     table = normal(config["vocab_size"], config["hidden_size"])
     if embedding_group_size:  # the tied table as GPTQ tensors too (quant_config "quantized_embedding")
-        tensors = {f"model.embed_tokens.{part}": t for part, t in int4.rtn_quantize(table, embedding_group_size, sym=False).items()}
+        tensors = {
+            f"model.embed_tokens.{part}": t
+            for part, t in int4.rtn_quantize(table, embedding_group_size, sym=False).items()
+        }
     else:
         tensors = {"model.embed_tokens.weight": table.to(torch.bfloat16)}
     ones = {"hidden": torch.ones(config["hidden_size"]), "head": torch.ones(config["head_dim"])}
@@ -139,9 +144,16 @@ def write_package(directory: Path, args: argparse.Namespace, command: str) -> No
             "checkpoint_format": "gptq",
             "modules_to_not_convert": ["lm_head"],
         }
-        | ({"quantized_embedding": {"group_size": args.embedding_group_size, "method": "rtn", "sym": False}} if args.embedding_group_size else {}),
+        | (
+            {"quantized_embedding": {"group_size": args.embedding_group_size, "method": "rtn", "sym": False}}
+            if args.embedding_group_size
+            else {}
+        ),
     )
-    save_file(random_weights(config, args.group_size, args.embedding_group_size, generator), directory / "model_int4.safetensors")
+    save_file(
+        random_weights(config, args.group_size, args.embedding_group_size, generator),
+        directory / "model_int4.safetensors",
+    )
     if args.lora_rank:
         save_file(random_lora(config, args.lora_rank, generator), directory / "lora.safetensors")
         write_json(
@@ -216,7 +228,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=32, help="GPTQ group size (divides every in_features)")
     parser.add_argument("--lora-rank", type=int, default=4, help="0 writes no adapter")
-    parser.add_argument("--embedding-group-size", type=int, default=None, help="store the tied embedding as INT4 in groups of G (default: bf16)")
+    parser.add_argument(
+        "--embedding-group-size",
+        type=int,
+        default=None,
+        help="store the tied embedding as INT4 in groups of G (default: bf16)",
+    )
     args = parser.parse_args(argv)
     widths = {
         "--hidden-size": args.hidden_size,
@@ -226,8 +243,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, width in widths.items():
         if width % args.group_size or width % 8:
             parser.error(f"{flag} = {width} must be a multiple of --group-size {args.group_size} and of 8")
-    if args.embedding_group_size is not None and (args.embedding_group_size < 8 or args.hidden_size % args.embedding_group_size or args.embedding_group_size % 8):
-        parser.error(f"--embedding-group-size {args.embedding_group_size} must divide --hidden-size {args.hidden_size} and be a multiple of 8")
+    if args.embedding_group_size is not None and (
+        args.embedding_group_size < 8 or args.hidden_size % args.embedding_group_size or args.embedding_group_size % 8
+    ):
+        parser.error(
+            f"--embedding-group-size {args.embedding_group_size} must divide --hidden-size {args.hidden_size} and be a multiple of 8"
+        )
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.output.exists() and not args.force:

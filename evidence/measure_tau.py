@@ -80,7 +80,9 @@ DraftFn = Callable[[list[int], int], list[int]]
 # ----------------------------------------------------------------------------------------------- drafters
 
 
-def server_drafter(client: httpx.Client, lookup_min_match: int | None = None, min_confidence: float | None = None) -> DraftFn:
+def server_drafter(
+    client: httpx.Client, lookup_min_match: int | None = None, min_confidence: float | None = None
+) -> DraftFn:
     """Drafts from a running draft server: POST /draft with the whole sequence, as the harness does.
     Options left None are not sent, so the server's own defaults apply (the server as deployed)."""
     options = {"lookup_min_match": lookup_min_match, "min_confidence": min_confidence}
@@ -109,7 +111,9 @@ def in_process_drafter(drafter: draft_model.Drafter, lookup_min_match: int = 0, 
     """Drafts from a model loaded in this process with draft_model."""
 
     def draft(tokens: list[int], max_tokens: int) -> list[int]:
-        made = draft_model.draft_batch(drafter, [tokens], max_tokens=max_tokens, lookup_min_match=lookup_min_match, min_confidence=min_confidence)
+        made = draft_model.draft_batch(
+            drafter, [tokens], max_tokens=max_tokens, lookup_min_match=lookup_min_match, min_confidence=min_confidence
+        )
         return list(made[0])
 
     return draft
@@ -159,7 +163,13 @@ def verify(target: torch.nn.Module, cache: DynamicCache, last_token: int, draft:
 
 @torch.inference_mode()
 def speculative_generate(
-    target: torch.nn.Module, draft: DraftFn, prompt: list[int], k: int, max_new_tokens: int, eos_ids: set[int], run: SpeculativeRun
+    target: torch.nn.Module,
+    draft: DraftFn,
+    prompt: list[int],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    run: SpeculativeRun,
 ) -> list[int]:
     """Greedy draft-and-verify on one prompt; returns the committed continuation and records into `run`."""
     started = time.perf_counter()
@@ -216,7 +226,15 @@ def target_greedy(target: torch.nn.Module, prompt: list[int], max_new_tokens: in
 
 
 @torch.inference_mode()
-def assisted_generate(target: torch.nn.Module, assistant: torch.nn.Module, prompt: list[int], k: int, max_new_tokens: int, eos_ids: set[int], run: SpeculativeRun) -> None:
+def assisted_generate(
+    target: torch.nn.Module,
+    assistant: torch.nn.Module,
+    prompt: list[int],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    run: SpeculativeRun,
+) -> None:
     """transformers assisted generation on one prompt: k candidates per step from `assistant`, greedy; the
     verify steps are the target's forward calls (its first one verifies the first candidates with the prompt)."""
     assistant.generation_config.num_assistant_tokens = k
@@ -228,8 +246,13 @@ def assisted_generate(target: torch.nn.Module, assistant: torch.nn.Module, promp
     started = time.perf_counter()
     try:
         output = target.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), assistant_model=assistant,
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=stop[0] if stop else None,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            assistant_model=assistant,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=stop[0] if stop else None,
         )
     finally:
         hook.remove()
@@ -277,7 +300,12 @@ def summarize(name: str, run: SpeculativeRun, greedy_tokens_per_s: float, mismat
         "verify_steps": run.verify_steps,
         "acceptance_by_position": [a / p for a, p in zip(run.accepted_at, run.proposed_at)],
         "mean_draft_tokens_per_call": statistics.fmean(run.drafted_per_call) if drafted else None,
-        "draft_latency_ms": {"p50": 1000 * percentile(run.draft_seconds, 0.50), "p95": 1000 * percentile(run.draft_seconds, 0.95)} if drafted else None,
+        "draft_latency_ms": {
+            "p50": 1000 * percentile(run.draft_seconds, 0.50),
+            "p95": 1000 * percentile(run.draft_seconds, 0.95),
+        }
+        if drafted
+        else None,
         "draft_seconds": sum(run.draft_seconds) if drafted else None,
         "verify_seconds": run.verify_seconds or None,  # transformers' loop verifies out of sight
         "tokens_per_s": tokens_per_s,
@@ -293,7 +321,9 @@ def cell(value: float | None, width: int, decimals: int) -> str:
 
 def print_table(report: dict) -> None:
     greedy = report["target_greedy"]
-    print(f"target {report['target']}  k={report['k']}  max_new_tokens={report['max_new_tokens']}  prompts={report['prompts']}")
+    print(
+        f"target {report['target']}  k={report['k']}  max_new_tokens={report['max_new_tokens']}  prompts={report['prompts']}"
+    )
     print(f"target-only greedy: {greedy['tokens']} tokens, {greedy['tokens_per_s']:.1f} tok/s")
     header = f"{'drafter':<40} {'tau':>6} {'draft/call':>10} {'p50 ms':>8} {'p95 ms':>8} {'verify s':>9} {'tok/s':>8} {'speedup':>8} {'check':>8}"
     print(header)
@@ -324,7 +354,9 @@ def plot(report: dict, path: Path) -> None:
             curves.plot(positions, run["acceptance_by_position"], marker="o", markersize=3, label=run["drafter"])
     curves.set(xlabel="draft position i", ylabel="P(drafts 1..i accepted)", ylim=(0, 1), title="Acceptance by position")
     curves.legend(fontsize=7)
-    names = [f"{number}. {run['drafter'][-40:]}" for number, run in enumerate(report["runs"], 1)]  # numbered: never two alike
+    names = [
+        f"{number}. {run['drafter'][-40:]}" for number, run in enumerate(report["runs"], 1)
+    ]  # numbered: never two alike
     bars.barh(names, [run["tau"] for run in report["runs"]])
     bars.set(xlabel="tau (tokens per target forward)", title=f"tau, k={report['k']}, {report['prompts']} prompts")
     bars.tick_params(axis="y", labelsize=7)
@@ -339,7 +371,11 @@ def write_record(path: Path, report: dict, argv: list[str] | None) -> None:
     record = common.read_json(path, "record") if path.exists() else {}
     runs = [{key: value for key, value in run.items() if key != "outputs"} for run in report["runs"]]
     command = "python evidence/measure_tau.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    record["measured_tau"] = {**{key: value for key, value in report.items() if key != "runs"}, "runs": runs, "command": command}
+    record["measured_tau"] = {
+        **{key: value for key, value in report.items() if key != "runs"},
+        "runs": runs,
+        "command": command,
+    }
     common.atomic_write_json(path, record)
 
 
@@ -349,15 +385,23 @@ def write_record(path: Path, report: dict, argv: list[str] | None) -> None:
 def prompt_ids(row: dict, where: str, tokenizer_for) -> list[int]:
     """A row's token ids: `token_ids` / `prompt_ids` as given, or `messages` in the chat template."""
     if not isinstance(row, dict):
-        raise common.UserError(f"{where}: expected a JSON object with `token_ids` or `messages`, found {type(row).__name__}")
+        raise common.UserError(
+            f"{where}: expected a JSON object with `token_ids` or `messages`, found {type(row).__name__}"
+        )
     if "messages" in row and "token_ids" not in row:
         messages = row["messages"]
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)):
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
+        ):
             raise common.UserError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
         return encode(tokenizer_for(where), messages, enable_thinking=False)
     ids = row.get("token_ids", row.get("prompt_ids"))
     if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
-        raise common.UserError(f"{where}: expected a non-empty list of ints in `token_ids` (or `prompt_ids`), or chat `messages`")
+        raise common.UserError(
+            f"{where}: expected a non-empty list of ints in `token_ids` (or `prompt_ids`), or chat `messages`"
+        )
     return ids
 
 
@@ -367,7 +411,9 @@ def read_mtbench(path: Path, limit: int | None) -> list[list[str]]:
     for line_number, row in enumerate(common.read_jsonl(path)[:limit], 1):
         turns = row.get("turns")
         if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-            raise common.UserError(f"{path}:{line_number}: not an MT-bench question (expected `turns`, a list of strings)")
+            raise common.UserError(
+                f"{path}:{line_number}: not an MT-bench question (expected `turns`, a list of strings)"
+            )
         questions.append(turns)
     return questions
 
@@ -375,33 +421,84 @@ def read_mtbench(path: Path, limit: int | None) -> list[list[str]]:
 def check_vocabulary(prompts: list[list[int]], vocab_size: int, what: str) -> None:
     for index, ids in enumerate(prompts):
         if not all(0 <= i < vocab_size for i in ids):
-            raise common.UserError(f"{what}, prompt {index}: token id {max(ids)} or {min(ids)} outside the target's vocabulary 0..{vocab_size - 1}")
+            raise common.UserError(
+                f"{what}, prompt {index}: token id {max(ids)} or {min(ids)} outside the target's vocabulary 0..{vocab_size - 1}"
+            )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="target causal-LM directory (transformers)")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="the target's tokenizer, for chat messages (default: --target)")
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="the target's tokenizer, for chat messages (default: --target)"
+    )
     parser.add_argument("--server", help="draft server base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--drafter", type=Path, action="append", default=[], help="model package or checkpoint directory, drafted in this process (repeatable)")
-    parser.add_argument("--drafter-without-lora", type=Path, action="append", default=[], help="model package drafted without its LoRA adapter (repeatable)")
-    parser.add_argument("--drafter-weights", choices=("auto", "packed", "dequant"), default="auto", help="draft_model weight path of the in-process drafters")
-    parser.add_argument("--hybrid", type=int, default=None, metavar="N", help=f"also measure hybrid drafting with lookup_min_match N (1..{draft_model.LOOKUP_MAX_MATCH})")
-    parser.add_argument("--min-confidence", type=float, nargs="*", default=[], metavar="P", help="also measure the first drafter with these min_confidence values")
-    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=[], help="also measure these in the same run")
-    parser.add_argument("--assistant", type=Path, default=None, help="assistant model for --baselines assisted (default: --drafter)")
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        action="append",
+        default=[],
+        help="model package or checkpoint directory, drafted in this process (repeatable)",
+    )
+    parser.add_argument(
+        "--drafter-without-lora",
+        type=Path,
+        action="append",
+        default=[],
+        help="model package drafted without its LoRA adapter (repeatable)",
+    )
+    parser.add_argument(
+        "--drafter-weights",
+        choices=("auto", "packed", "dequant"),
+        default="auto",
+        help="draft_model weight path of the in-process drafters",
+    )
+    parser.add_argument(
+        "--hybrid",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"also measure hybrid drafting with lookup_min_match N (1..{draft_model.LOOKUP_MAX_MATCH})",
+    )
+    parser.add_argument(
+        "--min-confidence",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="P",
+        help="also measure the first drafter with these min_confidence values",
+    )
+    parser.add_argument(
+        "--baselines", nargs="*", choices=BASELINES, default=[], help="also measure these in the same run"
+    )
+    parser.add_argument(
+        "--assistant", type=Path, default=None, help="assistant model for --baselines assisted (default: --drafter)"
+    )
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompts", type=Path, help="jsonl with `token_ids` or chat `messages` per line")
     prompts.add_argument("--mtbench", type=Path, help="MT-bench question.jsonl (FastChat format)")
-    parser.add_argument("--turns", type=int, choices=(1, 2), default=1, help="MT-bench turns to measure (2: also the second, after the target's answer)")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="MT-bench turns to measure (2: also the second, after the target's answer)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="use the first N prompts (questions)")
     parser.add_argument("--k", type=int, default=16, help="draft tokens per verify step (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to commit per prompt (default 128)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype on CPU (default float32)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="target dtype on CPU (default float32)"
+    )
     parser.add_argument("--check", action="store_true", help="committed output must equal the target's greedy output")
     parser.add_argument("--json", type=Path, default=None, help="write the report here (and a log beside it)")
     parser.add_argument("--plot", type=Path, default=None, help="write the acceptance curves and tau here (PNG)")
-    parser.add_argument("--record", type=Path, default=None, help='put the table under "measured_tau" in this JSON record (e.g. architecture.json)')
+    parser.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        help='put the table under "measured_tau" in this JSON record (e.g. architecture.json)',
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     if args.server is None and not args.drafter and not args.drafter_without_lora and not args.baselines:
@@ -419,7 +516,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not all(0 < p <= 1 for p in args.min_confidence):
         raise common.UserError(f"--min-confidence values must be probabilities in (0, 1], got {args.min_confidence}")
     if "assisted" in args.baselines and args.assistant is None and not args.drafter:
-        raise common.UserError("--baselines assisted needs the assistant model: give --assistant DIR (or --drafter DIR)")
+        raise common.UserError(
+            "--baselines assisted needs the assistant model: give --assistant DIR (or --drafter DIR)"
+        )
     return args
 
 
@@ -453,7 +552,9 @@ class Measurement:
             try:
                 self.tokenizer = load_tokenizer(str(source), None)
             except common.UserError as error:
-                raise common.UserError(f"{where} holds chat messages, which need the target's tokenizer: {error}; give --tokenizer DIR") from None
+                raise common.UserError(
+                    f"{where} holds chat messages, which need the target's tokenizer: {error}; give --tokenizer DIR"
+                ) from None
         return self.tokenizer
 
     def add_prompts(self, prompts: list[list[int]], what: str) -> None:
@@ -461,7 +562,10 @@ class Measurement:
         check_vocabulary(prompts, self.target.config.vocab_size, what)
         self.logger.info("target-only greedy on %d prompts (%s)", len(prompts), what)
         started = time.perf_counter()
-        self.references += [target_greedy(self.target, prompt, self.args.max_new_tokens, self.eos_ids) for prompt in tqdm(prompts, desc="target greedy", leave=False)]
+        self.references += [
+            target_greedy(self.target, prompt, self.args.max_new_tokens, self.eos_ids)
+            for prompt in tqdm(prompts, desc="target greedy", leave=False)
+        ]
         self.greedy_seconds += time.perf_counter() - started
         self.prompts += prompts
 
@@ -471,21 +575,32 @@ class Measurement:
             rows = common.read_jsonl(args.prompts)[: args.limit]
             if not rows:
                 raise common.UserError(f"{args.prompts} holds no prompts")
-            self.add_prompts([prompt_ids(row, f"{args.prompts}:{i}", self.tokenizer_for) for i, row in enumerate(rows, 1)], str(args.prompts))
+            self.add_prompts(
+                [prompt_ids(row, f"{args.prompts}:{i}", self.tokenizer_for) for i, row in enumerate(rows, 1)],
+                str(args.prompts),
+            )
             return
         questions = read_mtbench(args.mtbench, args.limit)
         if not questions:
             raise common.UserError(f"{args.mtbench} holds no questions")
         tokenizer = self.tokenizer_for(str(args.mtbench))
         first_turns = [[{"role": "user", "content": turns[0]}] for turns in questions]
-        self.add_prompts([encode(tokenizer, messages, enable_thinking=False) for messages in first_turns], "MT-bench turn 1")
+        self.add_prompts(
+            [encode(tokenizer, messages, enable_thinking=False) for messages in first_turns], "MT-bench turn 1"
+        )
         if args.turns == 2:
             second_turns = [
-                messages + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()},
-                            {"role": "user", "content": turns[1]}]
-                for messages, answer, turns in zip(first_turns, self.references, questions) if len(turns) > 1
+                messages
+                + [
+                    {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()},
+                    {"role": "user", "content": turns[1]},
+                ]
+                for messages, answer, turns in zip(first_turns, self.references, questions)
+                if len(turns) > 1
             ]
-            self.add_prompts([encode(tokenizer, messages, enable_thinking=False) for messages in second_turns], "MT-bench turn 2")
+            self.add_prompts(
+                [encode(tokenizer, messages, enable_thinking=False) for messages in second_turns], "MT-bench turn 2"
+            )
 
     @property
     def greedy_tokens_per_s(self) -> float:
@@ -500,8 +615,17 @@ class Measurement:
                 found = first_mismatch(committed, reference)
                 if found:
                     position, ours, theirs = found
-                    self.logger.error("LOSSLESS CHECK FAILED (%s): prompt %d position %d: committed %s, target greedy %s", name, index, position, ours, theirs)
-                    mismatches.append({"prompt": index, "position": position, "committed": ours, "target_greedy": theirs})
+                    self.logger.error(
+                        "LOSSLESS CHECK FAILED (%s): prompt %d position %d: committed %s, target greedy %s",
+                        name,
+                        index,
+                        position,
+                        ours,
+                        theirs,
+                    )
+                    mismatches.append(
+                        {"prompt": index, "position": position, "committed": ours, "target_greedy": theirs}
+                    )
         summary = summarize(name, run, self.greedy_tokens_per_s, mismatches)
         summary["outputs"] = run.outputs
         return summary
@@ -537,7 +661,10 @@ def main(argv: list[str] | None = None) -> dict:
         drafters.append((f"server {args.server}", server_drafter(client)))
         if args.hybrid is not None:
             drafters.append((f"server {args.server} hybrid>={args.hybrid}", server_drafter(client, args.hybrid)))
-        drafters += [(f"server {args.server} min_confidence={p}", server_drafter(client, min_confidence=p)) for p in args.min_confidence]
+        drafters += [
+            (f"server {args.server} min_confidence={p}", server_drafter(client, min_confidence=p))
+            for p in args.min_confidence
+        ]
     for number, model_dir in enumerate(args.drafter):
         drafter = load_drafter(model_dir, args.drafter_weights)
         label = f"model {model_dir} ({drafter.weights})"
@@ -545,7 +672,10 @@ def main(argv: list[str] | None = None) -> dict:
         if number == 0:
             if args.hybrid is not None:
                 drafters.append((f"{label} hybrid>={args.hybrid}", in_process_drafter(drafter, args.hybrid)))
-            drafters += [(f"{label} min_confidence={p}", in_process_drafter(drafter, min_confidence=p)) for p in args.min_confidence]
+            drafters += [
+                (f"{label} min_confidence={p}", in_process_drafter(drafter, min_confidence=p))
+                for p in args.min_confidence
+            ]
     for model_dir in args.drafter_without_lora:
         drafter = load_drafter(model_dir, args.drafter_weights, use_lora=False)
         drafters.append((f"model {model_dir} without LoRA ({drafter.weights})", in_process_drafter(drafter)))
@@ -559,8 +689,11 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "prompts": len(measurement.prompts),
         "prompt_source": str(args.prompts or args.mtbench) + (f" (turns 1..{args.turns})" if args.mtbench else ""),
-        "target_greedy": {"tokens": sum(map(len, measurement.references)), "seconds": measurement.greedy_seconds,
-                          "tokens_per_s": measurement.greedy_tokens_per_s},
+        "target_greedy": {
+            "tokens": sum(map(len, measurement.references)),
+            "seconds": measurement.greedy_seconds,
+            "tokens_per_s": measurement.greedy_tokens_per_s,
+        },
         "runs": [],
     }
     try:

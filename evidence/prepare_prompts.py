@@ -110,7 +110,9 @@ def read_source(name: str, entry: dict, paths: list[Path]) -> Iterator[tuple[str
             table = pq.read_table(path)
             missing = [c for c in columns if c not in table.column_names]
             if missing:
-                raise common.UserError(f"dataset '{name}': {path} lacks column(s) {missing}; it has {table.column_names}")
+                raise common.UserError(
+                    f"dataset '{name}': {path} lacks column(s) {missing}; it has {table.column_names}"
+                )
             rows = reader(table.select(list(columns)).to_pydict())
         for row_id, messages, extra in rows:
             prefix = f"{name}:" if len(paths) == 1 else f"{name}:{file_number}:"
@@ -131,14 +133,18 @@ def load_tokenizer(name: str, revision: str | None):
 
 
 def encode(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class PromptCollector:
     """Encodes candidate prompts, dropping empty, duplicate and over-long ones, and counts why."""
 
-    def __init__(self, tokenizer, enable_thinking: bool, max_prompt_tokens: int, seen: set[tuple[int, ...]] | None = None):
+    def __init__(
+        self, tokenizer, enable_thinking: bool, max_prompt_tokens: int, seen: set[tuple[int, ...]] | None = None
+    ):
         self.tokenizer, self.enable_thinking, self.max_prompt_tokens = tokenizer, enable_thinking, max_prompt_tokens
         self.seen = seen if seen is not None else set()
         self.counts: dict[str, Counter] = {}
@@ -171,13 +177,29 @@ def subsample(rows: list[dict], limit: int | None) -> list[dict]:
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared with add_aya.py: manifest, file location, tokenizer and template."""
-    parser.add_argument("--manifest", type=Path, default=common.REPO_ROOT / "data_manifest.json", help="data manifest (default: the repo's)")
-    parser.add_argument("--mirror", type=Path, default=None, help="local mirror of hub datasets: MIRROR/<repo>/<path in repo>")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="download cache for hub files and PyPI/npm artifacts")
-    parser.add_argument("--lock", action="store_true", help="resolve unlocked sources on the hub and record their pins in the manifest")
+    parser.add_argument(
+        "--manifest",
+        type=Path,
+        default=common.REPO_ROOT / "data_manifest.json",
+        help="data manifest (default: the repo's)",
+    )
+    parser.add_argument(
+        "--mirror", type=Path, default=None, help="local mirror of hub datasets: MIRROR/<repo>/<path in repo>"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="download cache for hub files and PyPI/npm artifacts"
+    )
+    parser.add_argument(
+        "--lock", action="store_true", help="resolve unlocked sources on the hub and record their pins in the manifest"
+    )
     parser.add_argument("--tokenizer", required=True, help="the target's tokenizer: directory or hub id")
     parser.add_argument("--tokenizer-revision", default=None)
-    parser.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=False, help="Qwen3 chat template thinking mode (default off)")
+    parser.add_argument(
+        "--enable-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Qwen3 chat template thinking mode (default off)",
+    )
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--out", type=Path, required=True, help="prompts.jsonl to write")
 
@@ -193,20 +215,30 @@ def source_paths(args: argparse.Namespace, name: str, logger) -> tuple[dict, lis
         return entry, [extracted[entry["member"]]]
     if args.mirror is None and args.cache_dir is None:
         raise common.UserError(f"dataset '{name}': give --mirror (a local copy) or --cache-dir (fetch from the hub)")
-    paths = common.dataset_files(args.manifest, name, mirror=args.mirror, cache_dir=args.cache_dir, lock=args.lock, logger=logger)
+    paths = common.dataset_files(
+        args.manifest, name, mirror=args.mirror, cache_dir=args.cache_dir, lock=args.lock, logger=logger
+    )
     return common.dataset_entry(common.load_manifest(args.manifest), name), paths
 
 
 def pins(manifest_path: Path, names: list[str]) -> dict:
     manifest = common.load_manifest(manifest_path)
-    return {name: {key: manifest["datasets"][name].get(key) for key in ("repo", "revision", "split", "files", "artifact", "member")} for name in names}
+    return {
+        name: {
+            key: manifest["datasets"][name].get(key)
+            for key in ("repo", "revision", "split", "files", "artifact", "member")
+        }
+        for name in names
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_source_arguments(parser)
     parser.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES), help="dataset names in the manifest")
-    parser.add_argument("--max-per-source", type=int, default=None, help="keep at most N prompts per source (by id hash)")
+    parser.add_argument(
+        "--max-per-source", type=int, default=None, help="keep at most N prompts per source (by id hash)"
+    )
     return parser.parse_args(argv)
 
 
@@ -221,18 +253,25 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = []
     for name in args.sources:
         entry, paths = source_paths(args, name, logger)
-        kept = [row for prompt_id, messages, _ in tqdm(read_source(name, entry, paths), desc=name, unit="row")
-                if (row := collector.add(name, prompt_id, messages)) is not None]
+        kept = [
+            row
+            for prompt_id, messages, _ in tqdm(read_source(name, entry, paths), desc=name, unit="row")
+            if (row := collector.add(name, prompt_id, messages)) is not None
+        ]
         prompts += subsample(kept, args.max_per_source)
         logger.info("%s: %s, written %d", name, dict(collector.counts[name]), len(subsample(kept, args.max_per_source)))
     if not prompts:
         raise common.UserError("no prompt survived the filters; check --sources and --max-prompt-tokens")
     common.write_jsonl(args.out, prompts)
     summary = {
-        "tokenizer": args.tokenizer, "tokenizer_revision": args.tokenizer_revision, "enable_thinking": args.enable_thinking,
-        "max_prompt_tokens": args.max_prompt_tokens, "max_per_source": args.max_per_source,
+        "tokenizer": args.tokenizer,
+        "tokenizer_revision": args.tokenizer_revision,
+        "enable_thinking": args.enable_thinking,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "max_per_source": args.max_per_source,
         "counts": {name: dict(counts) for name, counts in collector.counts.items()},
-        "written": dict(Counter(row["source"] for row in prompts)), "sources": pins(args.manifest, args.sources),
+        "written": dict(Counter(row["source"] for row in prompts)),
+        "sources": pins(args.manifest, args.sources),
     }
     common.atomic_write_json(common.log_path_beside(args.out, "prepare_prompts").with_suffix(".json"), summary)
     logger.info("wrote %d prompts to %s", len(prompts), args.out)

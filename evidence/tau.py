@@ -98,13 +98,17 @@ def continuation_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
     Computing the head on those positions alone keeps memory at N x vocab instead of B x T x vocab."""
     backbone, head = backbone_and_head(model)
-    hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state  # [B, T, H]
+    hidden = backbone(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).last_hidden_state  # [B, T, H]
     selected = hidden[batch["row_index"], batch["position_index"]]  # [N, H]
     return head(selected)  # [N, V]
 
 
 @torch.no_grad()
-def teacher_forced_argmax(model: torch.nn.Module, examples: list[dict], batch_size: int = 8, progress: bool = True) -> list[torch.Tensor]:
+def teacher_forced_argmax(
+    model: torch.nn.Module, examples: list[dict], batch_size: int = 8, progress: bool = True
+) -> list[torch.Tensor]:
     """Per example, the model's argmax at every continuation position given the teacher's tokens: [n]."""
     from evidence.gen_data import collate
 
@@ -121,7 +125,9 @@ def teacher_forced_argmax(model: torch.nn.Module, examples: list[dict], batch_si
     return predictions
 
 
-def offline_tau(model: torch.nn.Module, examples: list[dict], k: int, batch_size: int = 8, progress: bool = True) -> TauReport:
+def offline_tau(
+    model: torch.nn.Module, examples: list[dict], k: int, batch_size: int = 8, progress: bool = True
+) -> TauReport:
     """The tau a greedy draft-and-verify harness would measure with `model` drafting k tokens."""
     predictions = teacher_forced_argmax(model, examples, batch_size, progress)
     return tau_from_matches([p == e["tokens"] for p, e in zip(predictions, examples)], k)
@@ -143,7 +149,9 @@ def load_any_model(path: Path, device: str, dtype: torch.dtype) -> torch.nn.Modu
 
         return dequantized_model(path, device=device, dtype=dtype, with_lora=True)
     if not (path / "config.json").is_file():
-        raise common.UserError(f"{path} is neither a model directory (config.json) nor a model package (quant_config.json)")
+        raise common.UserError(
+            f"{path} is neither a model directory (config.json) nor a model package (quant_config.json)"
+        )
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 

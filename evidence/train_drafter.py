@@ -44,8 +44,12 @@ from evidence.tau import continuation_logits, offline_tau
 
 
 def distillation_loss(
-    logits: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-    ce_weight: float, kl_weight: float,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    ce_weight: float,
+    kl_weight: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """logits [N, V] of the student at N continuation positions; targets [N] the teacher's tokens;
     topk_ids / topk_logprobs [N, K] the teacher's top K. Returns the loss and its parts (token means)."""
@@ -124,8 +128,12 @@ def init_distributed() -> Distributed:
 
 
 def train(
-    model: torch.nn.Module, train_examples: list[dict], holdout_examples: list[dict], settings: TrainSettings,
-    logger, distributed: Distributed | None = None,
+    model: torch.nn.Module,
+    train_examples: list[dict],
+    holdout_examples: list[dict],
+    settings: TrainSettings,
+    logger,
+    distributed: Distributed | None = None,
 ) -> dict:
     """Optimise the parameters of `model` that require grad; leave `model` holding the weights with the
     best holdout tau. Returns the history and the selected step."""
@@ -144,7 +152,9 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: learning_rate_factor(step, settings.warmup_steps, total_steps, settings.min_lr_ratio)
     )
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and settings.bf16 else nullcontext()
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and settings.bf16 else nullcontext()
+    )
     micro_batches = micro_batch_stream(train_examples, settings, distributed)
     history: list[dict] = []
     best = {"step": -1, "tau": -math.inf, "state": None}
@@ -152,10 +162,18 @@ def train(
     def evaluate(step: int, train_parts: dict | None) -> None:
         if distributed.is_main:
             report = offline_tau(model, holdout_examples, settings.k, settings.eval_batch_size, progress=False)
-            history.append({"step": step, "holdout_tau": report.tau, "holdout_top1": report.top1_agreement, **(train_parts or {})})
-            logger.info("step %d: holdout tau %.4f, top-1 %.4f %s", step, report.tau, report.top1_agreement, train_parts or "")
+            history.append(
+                {"step": step, "holdout_tau": report.tau, "holdout_top1": report.top1_agreement, **(train_parts or {})}
+            )
+            logger.info(
+                "step %d: holdout tau %.4f, top-1 %.4f %s", step, report.tau, report.top1_agreement, train_parts or ""
+            )
             if report.tau > best["tau"]:
-                best.update(step=step, tau=report.tau, state={n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad})
+                best.update(
+                    step=step,
+                    tau=report.tau,
+                    state={n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad},
+                )
         if distributed.world_size > 1:
             dist.barrier()
 
@@ -171,7 +189,12 @@ def train(
                 with autocast:
                     logits = distiller(batch)  # [N, V]
                 loss, loss_parts = distillation_loss(
-                    logits, batch["targets"], batch["topk_ids"], batch["topk_logprobs"], settings.ce_weight, settings.kl_weight
+                    logits,
+                    batch["targets"],
+                    batch["topk_ids"],
+                    batch["topk_logprobs"],
+                    settings.ce_weight,
+                    settings.kl_weight,
                 )
                 (loss / settings.grad_accum).backward()
             parts["loss"] += loss.item() / settings.grad_accum
@@ -190,7 +213,12 @@ def train(
             for name, value in best["state"].items():
                 parameters[name].copy_(value.to(parameters[name].device))
         logger.info("selected step %d with holdout tau %.4f", best["step"], best["tau"])
-    return {"history": history, "selected_step": best["step"], "selected_holdout_tau": best["tau"], "total_steps": total_steps}
+    return {
+        "history": history,
+        "selected_step": best["step"],
+        "selected_holdout_tau": best["tau"],
+        "total_steps": total_steps,
+    }
 
 
 def micro_batch_stream(examples: list[dict], settings: TrainSettings, distributed: Distributed):
@@ -253,13 +281,23 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(settings.seed)
     train_examples = load_examples(args.data, "train")
     holdout_examples = load_examples(args.data, "holdout")
-    device = f"cuda:{distributed.local_rank}" if torch.cuda.is_available() and not args.device else common.pick_device(args.device)
+    device = (
+        f"cuda:{distributed.local_rank}"
+        if torch.cuda.is_available() and not args.device
+        else common.pick_device(args.device)
+    )
     model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=torch.float32).to(device)
     check_vocabulary(model, train_examples + holdout_examples)
     logger.info("%d train / %d holdout examples; %s", len(train_examples), len(holdout_examples), settings)
     result = train(model, train_examples, holdout_examples, settings, logger, distributed)
-    report = {"base": args.base, "base_revision": revision, "settings": asdict(settings), **result,
-              "train_examples": len(train_examples), "holdout_examples": len(holdout_examples)}
+    report = {
+        "base": args.base,
+        "base_revision": revision,
+        "settings": asdict(settings),
+        **result,
+        "train_examples": len(train_examples),
+        "holdout_examples": len(holdout_examples),
+    }
     if distributed.is_main:
         with common.atomic_directory(args.out) as staging:
             model.save_pretrained(staging, safe_serialization=True)
@@ -274,7 +312,9 @@ def check_vocabulary(model: torch.nn.Module, examples: list[dict]) -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     largest = max(int(torch.cat([e["tokens"], e["topk_ids"].flatten(), e["prompt_ids"]]).max()) for e in examples)
     if largest >= vocab:
-        raise common.UserError(f"the data holds token id {largest} but the student's vocabulary has {vocab} entries; teacher and base must share a tokenizer")
+        raise common.UserError(
+            f"the data holds token id {largest} but the student's vocabulary has {vocab} entries; teacher and base must share a tokenizer"
+        )
 
 
 if __name__ == "__main__":

@@ -71,16 +71,33 @@ def dataset_tables(rows: int, seed: int = 0) -> dict[str, pa.Table]:
         prompt = sentence(rng, rng.randint(4, 12)) if i != 2 else no_robots[1]["prompt"]
         if i == rows - 1:
             prompt = sentence(rng, 300)
-        messages = ([{"content": "you are a help", "role": "system"}] if i % 3 == 0 else [])
+        messages = [{"content": "you are a help", "role": "system"}] if i % 3 == 0 else []
         messages += [{"content": prompt, "role": "user"}, {"content": sentence(rng, 8), "role": "assistant"}]
-        no_robots.append({"prompt": prompt, "prompt_id": f"nr{i:04d}", "messages": messages, "category": rng.choice(["Chat", "Brainstorm"])})
-    gsm8k = [{"question": sentence(rng, rng.randint(6, 14)), "answer": sentence(rng, 10) + " #### 7"} for _ in range(rows)]
+        no_robots.append(
+            {
+                "prompt": prompt,
+                "prompt_id": f"nr{i:04d}",
+                "messages": messages,
+                "category": rng.choice(["Chat", "Brainstorm"]),
+            }
+        )
+    gsm8k = [
+        {"question": sentence(rng, rng.randint(6, 14)), "answer": sentence(rng, 10) + " #### 7"} for _ in range(rows)
+    ]
     languages = [("English", "eng"), ("French", "fra"), ("Swahili", "swh")]
     aya = []
     for i in range(rows * 2):
         language, code = languages[i % 3]
-        aya.append({"inputs": sentence(rng, rng.randint(4, 10)), "targets": sentence(rng, 6), "language": language,
-                    "language_code": code, "annotation_type": "original-annotations", "user_id": f"u{i % 5}"})
+        aya.append(
+            {
+                "inputs": sentence(rng, rng.randint(4, 10)),
+                "targets": sentence(rng, 6),
+                "language": language,
+                "language_code": code,
+                "annotation_type": "original-annotations",
+                "user_id": f"u{i % 5}",
+            }
+        )
     tulu_code, tulu_if = [], []
     for i in range(rows):
         for table, prefix in ((tulu_code, "code"), (tulu_if, "if")):
@@ -89,8 +106,16 @@ def dataset_tables(rows: int, seed: int = 0) -> dict[str, pa.Table]:
             table.append({"id": f"{prefix}_{i}", "prompt": prompt, "messages": messages})
     for row in tulu_if:
         row["constraints"] = ["Use at most 50 words."]
-    return {name: pa.Table.from_pylist(table) for name, table in
-            {"no_robots": no_robots, "gsm8k": gsm8k, "aya": aya, "tulu_code": tulu_code, "tulu_if": tulu_if}.items()}
+    return {
+        name: pa.Table.from_pylist(table)
+        for name, table in {
+            "no_robots": no_robots,
+            "gsm8k": gsm8k,
+            "aya": aya,
+            "tulu_code": tulu_code,
+            "tulu_if": tulu_if,
+        }.items()
+    }
 
 
 def write_mirror(mirror: Path, manifest_out: Path, rows: int = 12, seed: int = 0) -> dict:
@@ -103,8 +128,12 @@ def write_mirror(mirror: Path, manifest_out: Path, rows: int = 12, seed: int = 0
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, path)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        entry.update(revision=FAKE_REVISION, files=[{"path": relative, "sha256": digest, "rows": table.num_rows}],
-                     rows=table.num_rows, locked=True)
+        entry.update(
+            revision=FAKE_REVISION,
+            files=[{"path": relative, "sha256": digest, "rows": table.num_rows}],
+            rows=table.num_rows,
+            locked=True,
+        )
     manifest_out.write_text(json.dumps(manifest, indent=2))
     return manifest
 

@@ -17,12 +17,22 @@ import transformer
 # (architecture, overrides): tied and untied, GQA ratios 1/2/4, head_dim != hidden/heads, rope thetas.
 FORWARD_CASES = [
     ("qwen3", dict(num_attention_heads=4, num_key_value_heads=4)),
-    ("qwen3", dict(tie_word_embeddings=False, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    (
+        "qwen3",
+        dict(tie_word_embeddings=False, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
     ("qwen3", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
     ("llama", dict(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
     ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32)),
     ("qwen2", dict()),
-    ("qwen2", dict(tie_word_embeddings=False, num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    (
+        "qwen2",
+        dict(
+            tie_word_embeddings=False,
+            num_key_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
 ]
 
 
@@ -43,7 +53,12 @@ def forward_stepwise(drafter: draft_model.Drafter, tokens: list[int]) -> torch.T
 
 
 def reference_greedy(hf_model, row: list[int], max_new_tokens: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row), dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False)
+    out = hf_model.generate(
+        torch.tensor([row]),
+        attention_mask=torch.ones(1, len(row), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
     return out[0, len(row) :].tolist()
 
 
@@ -75,16 +90,31 @@ def test_logits_match_transformers(tmp_path, architecture, overrides):
 
 
 def test_config_reads_legacy_top_level_rope_theta():
-    legacy = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, rope_theta=1e6)
+    legacy = dict(
+        model_type="qwen3",
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_theta=1e6,
+    )
     assert checkpoint.model_config(legacy).rope_theta == 1e6
 
 
 @pytest.mark.parametrize(
     "field,value",
-    [("model_type", "mistral"), ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}), ("use_sliding_window", True), ("hidden_act", "gelu")],
+    [
+        ("model_type", "mistral"),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}),
+        ("use_sliding_window", True),
+        ("hidden_act", "gelu"),
+    ],
 )
 def test_unsupported_config_is_refused(field, value):
-    config = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    config = dict(
+        model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2
+    )
     config[field] = value
     with pytest.raises(draft_model.ModelLoadError, match=field.split("_")[0]):
         checkpoint.model_config(config)
@@ -241,7 +271,9 @@ def test_v1_checkpoints_store_zero_minus_one():
     zeros = torch.full((1, 8), 8)
     tensors = int4.gptq_pack(ints, zeros, torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
     assert tensors["qzeros"].item() == 0x77777777  # every symmetric zero 8 stored as 7
-    asymmetric = int4.gptq_pack(ints, torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8), torch.zeros(32, dtype=torch.int32))
+    asymmetric = int4.gptq_pack(
+        ints, torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8), torch.zeros(32, dtype=torch.int32)
+    )
     assert asymmetric["qzeros"].item() == -1  # zero 0 is stored as 15 in every nibble
     weight = int4.gptq_dequantize(**asymmetric)
     assert torch.equal(weight, ints.float())
@@ -261,7 +293,11 @@ def quantize_into(hf_model, group_size: int, sym: bool, desc_act: bool, seed: in
         out_features, in_features = module.weight.shape
         n_groups = in_features // group_size
         ints = torch.randint(0, 16, (out_features, in_features), generator=generator)
-        zeros = torch.full((n_groups, out_features), 8) if sym else torch.randint(0, 16, (n_groups, out_features), generator=generator)
+        zeros = (
+            torch.full((n_groups, out_features), 8)
+            if sym
+            else torch.randint(0, 16, (n_groups, out_features), generator=generator)
+        )
         scales = (torch.rand(n_groups, out_features, generator=generator) * 0.03 + 0.005).half()
         columns = torch.randperm(in_features, generator=generator) if desc_act else torch.arange(in_features)
         g_idx = (columns // group_size).int()  # act-order: each column's group follows its quantization order
@@ -275,7 +311,11 @@ def write_gptq_checkpoint(hf_model, directory, gptq_tensors, quant_config: dict,
     """A GPTQ checkpoint as the ecosystem writes it (quantization_config in config.json, model.safetensors)
     or as our model package (quant_config.json, model_int4.safetensors)."""
     directory.mkdir(parents=True, exist_ok=True)
-    dense = {k: v for k, v in hf_model.state_dict().items() if not (k.endswith(".weight") and k[: -len(".weight")] + ".qweight" in gptq_tensors)}
+    dense = {
+        k: v
+        for k, v in hf_model.state_dict().items()
+        if not (k.endswith(".weight") and k[: -len(".weight")] + ".qweight" in gptq_tensors)
+    }
     if hf_model.config.tie_word_embeddings:
         del dense["lm_head.weight"]
     config = hf_model.config.to_dict()
@@ -298,9 +338,18 @@ GPTQ_CASES = [
 
 @pytest.mark.parametrize("case", GPTQ_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_gptq_checkpoint_loads_to_the_weights_the_format_defines(tmp_path, case):
-    hf_model = make_hf_model("qwen3", hidden_size=128, intermediate_size=256, head_dim=32, tie_word_embeddings=case["sym"])
+    hf_model = make_hf_model(
+        "qwen3", hidden_size=128, intermediate_size=256, head_dim=32, tie_word_embeddings=case["sym"]
+    )
     gptq = quantize_into(hf_model, case["group_size"], case["sym"], case["desc_act"], seed=10)
-    quant_config = {"quant_method": "gptq", "bits": 4, "group_size": case["group_size"], "sym": case["sym"], "desc_act": case["desc_act"], "checkpoint_format": "gptq"}
+    quant_config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": case["group_size"],
+        "sym": case["sym"],
+        "desc_act": case["desc_act"],
+        "checkpoint_format": "gptq",
+    }
     write_gptq_checkpoint(hf_model, tmp_path, gptq, quant_config, case["as_package"])
     drafter = draft_model.load_model(tmp_path, cache_slots=4, weights="dequant")
     assert drafter.dtype == torch.float32 and drafter.weights == "dense"
@@ -318,7 +367,14 @@ def test_gptq_checkpoint_loads_to_the_weights_the_format_defines(tmp_path, case)
 def gptq_package(tmp_path):
     hf_model = make_hf_model("qwen3")
     gptq = quantize_into(hf_model, 32, True, False, seed=12)
-    quant_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "checkpoint_format": "gptq"}
+    quant_config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+    }
     write_gptq_checkpoint(hf_model, tmp_path / "package", gptq, quant_config, as_package=True)
     return hf_model, tmp_path / "package"
 
@@ -369,7 +425,9 @@ def add_peft_adapter(hf_model, directory, **overrides):
     return peft_model
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])])
+@pytest.mark.parametrize(
+    "overrides", [dict(), dict(use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])]
+)
 def test_lora_matches_peft_merged_and_unmerged(tmp_path, overrides):
     hf_model = make_hf_model("qwen3", tie_word_embeddings=False)
     directory = write_hf_checkpoint(hf_model, tmp_path / "model")
@@ -380,7 +438,10 @@ def test_lora_matches_peft_merged_and_unmerged(tmp_path, overrides):
     unmerged = draft_model.load_model(directory, cache_slots=2, merge_lora=False)
     merged = draft_model.load_model(directory, cache_slots=2)
     # down_proj: adapted alone; gate/up: both adapted, fused into one LoRALinear
-    assert isinstance(unmerged.model.layers[0].mlp.down_proj if not overrides else unmerged.model.layers[0].mlp.gate_up_proj, transformer.LoRALinear)
+    assert isinstance(
+        unmerged.model.layers[0].mlp.down_proj if not overrides else unmerged.model.layers[0].mlp.gate_up_proj,
+        transformer.LoRALinear,
+    )
     assert unmerged.lora_rank == merged.lora_rank == 4
     assert (forward_all(unmerged, tokens) - expected).abs().max() <= 1e-4
     assert (forward_all(merged, tokens) - expected).abs().max() <= 1e-4
@@ -404,7 +465,10 @@ def test_lora_adapter_with_wrong_shapes_is_refused(gptq_package):
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors[name] = tensors[name][:2]
     save_file(tensors, directory / "lora.safetensors")
-    with pytest.raises(draft_model.ModelLoadError, match=r"lora.safetensors: tensor '.*q_proj.lora_A.weight' has shape \[2, 64\], expected \[4, 64\]"):
+    with pytest.raises(
+        draft_model.ModelLoadError,
+        match=r"lora.safetensors: tensor '.*q_proj.lora_A.weight' has shape \[2, 64\], expected \[4, 64\]",
+    ):
         draft_model.load_model(directory)
 
 
@@ -464,7 +528,9 @@ def test_packed_lora_stays_unmerged_beside_int4(gptq_package):
     peft_model = add_peft_adapter(hf_model, directory)
     drafter = draft_model.load_model(directory, cache_slots=2)
     qkv_proj = drafter.model.layers[0].self_attn.qkv_proj  # q, k and v fused: one LoRA pair beside INT4 bases
-    assert isinstance(qkv_proj, transformer.LoRALinear) and any(isinstance(m, int4.Int4Linear) for m in qkv_proj.base.modules())
+    assert isinstance(qkv_proj, transformer.LoRALinear) and any(
+        isinstance(m, int4.Int4Linear) for m in qkv_proj.base.modules()
+    )
     tokens = random_rows([30], seed=18)[0]
     with torch.no_grad():
         expected = peft_model(torch.tensor([tokens])).logits[0]
@@ -484,7 +550,12 @@ def test_fused_projections_compute_what_their_parts_do():
         parts.append(layer)
     # The first and last parts carry adapters, the middle one none (a target_modules subset).
     parts[0], parts[2] = (
-        transformer.LoRALinear(p, torch.randn(rank, in_features, generator=generator), torch.randn(p.out_features, rank, generator=generator), 0.5)
+        transformer.LoRALinear(
+            p,
+            torch.randn(rank, in_features, generator=generator),
+            torch.randn(p.out_features, rank, generator=generator),
+            0.5,
+        )
         for p in (parts[0], parts[2])
     )
     fused = transformer.concat_outputs(parts)
@@ -544,12 +615,22 @@ def naive_prompt_lookup(tokens: list[int], max_tokens: int, min_match: int, max_
 def test_prompt_lookup_finds_the_longest_latest_earlier_match():
     generator = torch.Generator().manual_seed(0)
     for trial in range(300):
-        tokens = torch.randint(0, 3 + trial % 5, (1 + trial % 40,), generator=generator).tolist()  # small vocabularies repeat
+        tokens = torch.randint(
+            0, 3 + trial % 5, (1 + trial % 40,), generator=generator
+        ).tolist()  # small vocabularies repeat
         for min_match in (1, 2, 4):
-            assert draft_model.prompt_lookup(tokens, 5, min_match) == naive_prompt_lookup(tokens, 5, min_match, draft_model.LOOKUP_MAX_MATCH)
+            assert draft_model.prompt_lookup(tokens, 5, min_match) == naive_prompt_lookup(
+                tokens, 5, min_match, draft_model.LOOKUP_MAX_MATCH
+            )
     assert draft_model.prompt_lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, 3) == [8, 1]  # the latest of two occurrences
     assert draft_model.prompt_lookup([5, 6, 7, 5, 6], 4, 3) == []  # only a 2-token repeat
-    assert draft_model.prompt_lookup([4, 1, 2, 1, 2], 5, 2) == [1, 2, 1, 2, 1]  # a running loop continues past its period
+    assert draft_model.prompt_lookup([4, 1, 2, 1, 2], 5, 2) == [
+        1,
+        2,
+        1,
+        2,
+        1,
+    ]  # a running loop continues past its period
 
 
 def test_hybrid_rows_copy_repeats_and_the_rest_draft_as_before(qwen3):
@@ -558,9 +639,16 @@ def test_hybrid_rows_copy_repeats_and_the_rest_draft_as_before(qwen3):
     plain, opening = random_rows([30, 20], seed=21)
     repeating = opening + [1, 2] + opening[:5]
     stop = opening[9]
-    hybrid = draft_model.draft_batch(drafter, [plain, repeating, repeating], max_tokens=6, lookup_min_match=[3, 3, 0], stop_token_ids=[stop])
-    assert hybrid[0] == draft_model.draft_batch(drafter, [plain], max_tokens=6, stop_token_ids=[stop])[0] and hybrid[0].source == "model"
-    assert hybrid[1] == opening[5:10] and hybrid[1].source == "lookup" and hybrid[1].logprobs is None  # through the stop token
+    hybrid = draft_model.draft_batch(
+        drafter, [plain, repeating, repeating], max_tokens=6, lookup_min_match=[3, 3, 0], stop_token_ids=[stop]
+    )
+    assert (
+        hybrid[0] == draft_model.draft_batch(drafter, [plain], max_tokens=6, stop_token_ids=[stop])[0]
+        and hybrid[0].source == "model"
+    )
+    assert (
+        hybrid[1] == opening[5:10] and hybrid[1].source == "lookup" and hybrid[1].logprobs is None
+    )  # through the stop token
     assert hybrid[2] == reference_greedy(hf_model, repeating, 6)[: len(hybrid[2])] and hybrid[2].source == "model"
     with pytest.raises(ValueError, match="lookup_min_match must be"):
         draft_model.draft_batch(drafter, [plain], lookup_min_match=draft_model.LOOKUP_MAX_MATCH + 1)
@@ -596,8 +684,15 @@ def write_package_with_int4_embedding(hf_model, directory, seed: int) -> None:
     table = int4.rtn_quantize(hf_model.model.embed_tokens.weight.detach(), 32, sym=False)
     hf_model.model.embed_tokens.weight.data = int4.gptq_dequantize(**table)
     gptq.update({f"model.embed_tokens.{part}": tensor for part, tensor in table.items()})
-    quant_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "checkpoint_format": "gptq",
-                    "quantized_embedding": {"group_size": 32}}
+    quant_config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+        "quantized_embedding": {"group_size": 32},
+    }
     write_gptq_checkpoint(hf_model, directory, gptq, quant_config, as_package=True)
 
 
@@ -614,11 +709,16 @@ def test_quantized_embedding_is_one_int4_table_for_both_ends(tmp_path):
     assert packed.model.embed_tokens is None and isinstance(packed.model.lm_head, int4.Int4Linear)
     assert packed.quantization["embedding_group_size"] == 32
     vocab, hidden = packed.vocab_size, packed.cfg.hidden_size
-    assert not any(t.numel() == vocab * hidden and t.is_floating_point() for t in [*packed.model.parameters(), *packed.model.buffers()])
+    assert not any(
+        t.numel() == vocab * hidden and t.is_floating_point()
+        for t in [*packed.model.parameters(), *packed.model.buffers()]
+    )
     ids = torch.tensor([[0, 5, 63, 64], [127, 200, 255, 31]])
     looked_up = packed.model.embed(ids).float()  # (2, 4, hidden) read from the packed head
     assert torch.allclose(looked_up, packed.model.lm_head.dense_weight()[ids].float())
-    assert (looked_up - hf_model.model.embed_tokens.weight[ids]).abs().max() <= 1e-2 * hf_model.model.embed_tokens.weight.abs().max()
+    assert (
+        looked_up - hf_model.model.embed_tokens.weight[ids]
+    ).abs().max() <= 1e-2 * hf_model.model.embed_tokens.weight.abs().max()
     packed_drafts = draft_model.draft_batch(packed, rows, max_tokens=12)
     assert all(p[:4] == d[:4] for p, d in zip(packed_drafts, dense_drafts))  # bf16 may flip a late near-tie
 

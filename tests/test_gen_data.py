@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import make_hf_model, write_hf_checkpoint
 
 from evidence import common, gen_data
-from tiny_models import make_hf_model, write_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,14 +22,33 @@ ROOT = Path(__file__).resolve().parents[1]
 def setup(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gen-data")
     write_hf_checkpoint(make_hf_model("qwen3", seed=5), root / "teacher")
-    prompts = [{"id": f"p{i}", "source": "test", "messages": [], "token_ids": [3, 5 + i % 200, 7 + (i * 13) % 200, 9 + i % 3]} for i in range(40)]
+    prompts = [
+        {"id": f"p{i}", "source": "test", "messages": [], "token_ids": [3, 5 + i % 200, 7 + (i * 13) % 200, 9 + i % 3]}
+        for i in range(40)
+    ]
     common.write_jsonl(root / "prompts.jsonl", prompts)
     return {"root": root, "teacher": root / "teacher", "prompts": root / "prompts.jsonl"}
 
 
 def argv(setup: dict, out: Path, shard_size: int = 8, new_tokens: int = 12) -> list[str]:
-    return ["--prompts", str(setup["prompts"]), "--teacher", str(setup["teacher"]), "--out", str(out), "--max-new-tokens", str(new_tokens),
-            "--batch-size", "4", "--shard-size", str(shard_size), "--holdout-fraction", "0.25", "--eos-token-ids", "2"]
+    return [
+        "--prompts",
+        str(setup["prompts"]),
+        "--teacher",
+        str(setup["teacher"]),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        str(new_tokens),
+        "--batch-size",
+        "4",
+        "--shard-size",
+        str(shard_size),
+        "--holdout-fraction",
+        "0.25",
+        "--eos-token-ids",
+        "2",
+    ]
 
 
 def shard_contents(directory: Path) -> dict[str, tuple[dict, dict]]:
@@ -52,11 +71,15 @@ def test_shards_hold_greedy_continuations_with_top_k(setup, tmp_path):
         for step, token in enumerate(example["tokens"].tolist()):  # uncached, unpadded greedy reference
             logits = teacher(torch.tensor([tokens])).logits[0, -1]
             assert token == int(logits.argmax()) == int(example["topk_ids"][step, 0])
-            torch.testing.assert_close(example["topk_logprobs"][step], torch.log_softmax(logits, -1).topk(20).values, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                example["topk_logprobs"][step], torch.log_softmax(logits, -1).topk(20).values, rtol=1e-4, atol=1e-4
+            )
             tokens.append(token)
         assert len(example["tokens"]) == 12 or example["tokens"][-1] == 2  # full length or stopped at EOS
     holdout = {e["id"] for e in examples if e["holdout"]}
-    assert holdout == {f"p{i}" for i in range(40) if common.stable_hash_fraction(f"p{i}") < 0.25} and 0 < len(holdout) < 40
+    assert (
+        holdout == {f"p{i}" for i in range(40) if common.stable_hash_fraction(f"p{i}") < 0.25} and 0 < len(holdout) < 40
+    )
 
 
 def test_rerun_skips_finished_shards_and_is_deterministic(setup, tmp_path):

@@ -2,11 +2,17 @@
 
 import pytest
 import torch
-
-import int4
-from evidence.gptq_drafter import QuantSettings, collect_hessians, first_layer_inputs, gptq_quantize, packed_weight, rtn_quantize
 from tiny_models import make_hf_model
 
+import int4
+from evidence.gptq_drafter import (
+    QuantSettings,
+    collect_hessians,
+    first_layer_inputs,
+    gptq_quantize,
+    packed_weight,
+    rtn_quantize,
+)
 
 CALIBRATION, HELD_OUT = 48, 16
 
@@ -18,11 +24,17 @@ def activations() -> dict:
     model = make_hf_model("qwen3", seed=21, hidden_size=128, intermediate_size=256, head_dim=32)
     generator = torch.Generator().manual_seed(0)
     zipf = 1.0 / torch.arange(1, 257).float()
-    sequences = [torch.multinomial(zipf, 48, replacement=True, generator=generator) for _ in range(CALIBRATION + HELD_OUT)]
+    sequences = [
+        torch.multinomial(zipf, 48, replacement=True, generator=generator) for _ in range(CALIBRATION + HELD_OUT)
+    ]
     layer = model.model.layers[0]
     captured: dict[str, list[torch.Tensor]] = {"mlp.down_proj": [], "self_attn.q_proj": [], "mlp.gate_proj": []}
-    hooks = [layer.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: captured[name].append(a[0].reshape(-1, a[0].shape[-1])))
-             for name in captured]
+    hooks = [
+        layer.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: captured[name].append(a[0].reshape(-1, a[0].shape[-1]))
+        )
+        for name in captured
+    ]
     with torch.no_grad():
         for sequence in sequences:
             model(sequence[None])
@@ -30,7 +42,11 @@ def activations() -> dict:
         hook.remove()
     calibration_inputs = first_layer_inputs(model, sequences[:CALIBRATION])  # the pipeline's own capture path
     hessians = collect_hessians(layer, tuple(captured), calibration_inputs)
-    return {"layer": layer, "hessians": hessians, "held_out": {name: torch.cat(xs[CALIBRATION:]) for name, xs in captured.items()}}
+    return {
+        "layer": layer,
+        "hessians": hessians,
+        "held_out": {name: torch.cat(xs[CALIBRATION:]) for name, xs in captured.items()},
+    }
 
 
 def output_error(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tensor) -> float:
@@ -38,15 +54,25 @@ def output_error(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tensor)
 
 
 @pytest.mark.parametrize("name", ["mlp.down_proj", "self_attn.q_proj", "mlp.gate_proj"])
-@pytest.mark.parametrize("settings", [QuantSettings(32, True, False), QuantSettings(32, False, False), QuantSettings(64, True, True),
-                                      QuantSettings(32, True, True, static_groups=True)],
-                         ids=["sym", "asym", "sym-act-order-g64", "sym-act-order-static-groups"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        QuantSettings(32, True, False),
+        QuantSettings(32, False, False),
+        QuantSettings(64, True, True),
+        QuantSettings(32, True, True, static_groups=True),
+    ],
+    ids=["sym", "asym", "sym-act-order-g64", "sym-act-order-static-groups"],
+)
 def test_gptq_beats_round_to_nearest_on_held_out_activations(activations, name, settings):
     weight = activations["layer"].get_submodule(name).weight.detach()
     held_out = activations["held_out"][name]
     gptq = gptq_quantize(weight, activations["hessians"][name], settings)
     rtn = rtn_quantize(weight, settings)
-    gptq_error, rtn_error = output_error(held_out, weight, gptq.dequantize()), output_error(held_out, weight, rtn.dequantize())
+    gptq_error, rtn_error = (
+        output_error(held_out, weight, gptq.dequantize()),
+        output_error(held_out, weight, rtn.dequantize()),
+    )
     assert gptq_error < 0.85 * rtn_error, (gptq_error, rtn_error)
 
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from evidence import measure_tau
-from evidence.gen_data import generate_transformers
-from evidence.tau import offline_tau
-from evidence.prepare_prompts import encode, load_tokenizer
 from pipeline_fixtures import perturbed_copy, write_tokenizer
 from test_server import one_torch_thread, start_server, stop_server  # noqa: F401 (an autouse fixture: the cores are shared)
 from tiny_models import make_hf_model, write_hf_checkpoint
+
+from evidence import measure_tau
+from evidence.gen_data import generate_transformers
+from evidence.prepare_prompts import encode, load_tokenizer
+from evidence.tau import offline_tau
 
 K = 6
 MAX_NEW_TOKENS = 24
@@ -63,7 +63,15 @@ def test_in_process_is_lossless_and_equals_offline_tau(models, tmp_path):
     examples = []
     for prompt, committed, (tokens, topk_ids, topk_logprobs) in zip(PROMPTS, run["outputs"], generations):
         assert committed == tokens.tolist()
-        examples.append(dict(id=str(prompt), prompt_ids=torch.tensor(prompt), tokens=tokens, topk_ids=topk_ids, topk_logprobs=topk_logprobs))
+        examples.append(
+            dict(
+                id=str(prompt),
+                prompt_ids=torch.tensor(prompt),
+                tokens=tokens,
+                topk_ids=topk_ids,
+                topk_logprobs=topk_logprobs,
+            )
+        )
     offline = offline_tau(models["close"], examples, k=K, batch_size=4, progress=False)
     assert (run["committed_tokens"], run["verify_steps"]) == (offline.committed, offline.steps)
     assert run["tau"] == offline.tau
@@ -92,7 +100,11 @@ def test_ngram_baseline_runs(models, tmp_path):
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
-    assert measure_tau.ngram_drafter([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3) == [5, 6, 1]  # latest earlier "1 2" is followed by 5 6 1
+    assert measure_tau.ngram_drafter([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3) == [
+        5,
+        6,
+        1,
+    ]  # latest earlier "1 2" is followed by 5 6 1
     assert measure_tau.ngram_drafter([7, 8, 9], 4) == []
 
 
@@ -110,7 +122,9 @@ def test_assisted_generation_agrees_with_ours_and_hybrid_is_lossless(models, tmp
     assert hybrid["outputs"] == ours["outputs"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stored = json.loads(record.read_text())
-    assert stored["summary"] == "kept" and [run["tau"] for run in stored["measured_tau"]["runs"]] == [run["tau"] for run in report["runs"]]
+    assert stored["summary"] == "kept" and [run["tau"] for run in stored["measured_tau"]["runs"]] == [
+        run["tau"] for run in report["runs"]
+    ]
     assert "outputs" not in stored["measured_tau"]["runs"][0] and "--hybrid 2" in stored["measured_tau"]["command"]
 
 
@@ -119,16 +133,36 @@ def test_chat_messages_and_mtbench_questions(models, tmp_path):
     tokenizer = load_tokenizer(str(tokenizer_dir), None)
     questions = [["what is the water", "and the sea"], ["tell me a story", "make it long"]]
     mtbench = tmp_path / "question.jsonl"
-    mtbench.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": t}) + "\n" for i, t in enumerate(questions)))
-    common = ["--target", str(models["target_dir"]), "--tokenizer", str(tokenizer_dir), "--baselines", "ngram", "--k", str(K)]
+    mtbench.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": "writing", "turns": t}) + "\n" for i, t in enumerate(questions)
+        )
+    )
+    common = [
+        "--target",
+        str(models["target_dir"]),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--baselines",
+        "ngram",
+        "--k",
+        str(K),
+    ]
     common += ["--max-new-tokens", "8", "--check"]
     both_turns = measure_tau.main([*common, "--mtbench", str(mtbench), "--turns", "2"])
     assert both_turns["prompts"] == 4 and both_turns["runs"][0]["check"] == "passed"
 
     as_messages = tmp_path / "messages.jsonl"
-    as_messages.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t[0]}]}) + "\n" for t in questions))
+    as_messages.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": t[0]}]}) + "\n" for t in questions)
+    )
     as_ids = tmp_path / "ids.jsonl"
-    as_ids.write_text("".join(json.dumps({"token_ids": encode(tokenizer, [{"role": "user", "content": t[0]}], False)}) + "\n" for t in questions))
+    as_ids.write_text(
+        "".join(
+            json.dumps({"token_ids": encode(tokenizer, [{"role": "user", "content": t[0]}], False)}) + "\n"
+            for t in questions
+        )
+    )
     first_turns = measure_tau.main([*common, "--mtbench", str(mtbench)])["runs"][0]["outputs"]
     assert measure_tau.main([*common, "--prompts", str(as_messages)])["runs"][0]["outputs"] == first_turns
     assert measure_tau.main([*common, "--prompts", str(as_ids)])["runs"][0]["outputs"] == first_turns
@@ -137,9 +171,18 @@ def test_chat_messages_and_mtbench_questions(models, tmp_path):
 
 def test_unrelated_drafter_is_still_lossless_and_drafters_share_a_run(models, tmp_path):
     close, adaptive, unrelated = run_harness(
-        models, tmp_path, "--drafter", str(models["close_dir"]), "--drafter", str(models["unrelated_dir"]), "--min-confidence", "0.9"
+        models,
+        tmp_path,
+        "--drafter",
+        str(models["close_dir"]),
+        "--drafter",
+        str(models["unrelated_dir"]),
+        "--min-confidence",
+        "0.9",
     )["runs"]
-    assert adaptive["check"] == "passed" and adaptive["mean_draft_tokens_per_call"] < close["mean_draft_tokens_per_call"]
+    assert (
+        adaptive["check"] == "passed" and adaptive["mean_draft_tokens_per_call"] < close["mean_draft_tokens_per_call"]
+    )
     assert unrelated["check"] == "passed" and unrelated["mismatches"] == []
     assert 1.0 <= unrelated["tau"] < 1.5  # it rarely agrees, yet every committed token is the target's
     alone = run_harness(models, tmp_path, "--drafter", str(models["close_dir"]))["runs"][0]
@@ -152,7 +195,11 @@ def test_unrelated_drafter_is_still_lossless_and_drafters_share_a_run(models, tm
         ({"token_ids": [1, 999]}, ["--baselines", "ngram"], "outside the target's vocabulary"),
         ({"messages": [{"role": "user", "content": "hi"}]}, ["--baselines", "ngram"], "need the target's tokenizer"),
         ({"token_ids": [1, 2]}, ["--baselines", "assisted"], "needs the assistant model"),
-        ({"token_ids": [1, 2]}, ["--baselines", "ngram", "--hybrid", "3"], "--hybrid and --min-confidence measure a model drafter"),
+        (
+            {"token_ids": [1, 2]},
+            ["--baselines", "ngram", "--hybrid", "3"],
+            "--hybrid and --min-confidence measure a model drafter",
+        ),
     ],
 )
 def test_user_errors_exit_2(models, tmp_path, capsys, monkeypatch, row, flags, message):

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_fixtures import perturbed_copy, write_mirror, write_tokenizer
 from safetensors import safe_open
+from tiny_models import make_hf_model, write_hf_checkpoint
 
 import draft_model
 from evidence import common, prepare_prompts, run_pipeline
-from pipeline_fixtures import perturbed_copy, write_mirror, write_tokenizer
-from tiny_models import make_hf_model, write_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "evidence" / "configs" / "tiny.json"
@@ -33,8 +33,15 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     write_hf_checkpoint(teacher, root / "teacher")
     write_hf_checkpoint(perturbed_copy(teacher, noise=0.3, seed=2), root / "base")
     write_tokenizer(root / "tokenizer")
-    return {"root": root, "mirror": root / "mirror", "manifest": root / "manifest.json", "teacher": root / "teacher",
-            "base": root / "base", "tokenizer": root / "tokenizer", "eval_prompts": write_eval_prompts(root / "tokenizer", root / "eval.jsonl")}
+    return {
+        "root": root,
+        "mirror": root / "mirror",
+        "manifest": root / "manifest.json",
+        "teacher": root / "teacher",
+        "base": root / "base",
+        "tokenizer": root / "tokenizer",
+        "eval_prompts": write_eval_prompts(root / "tokenizer", root / "eval.jsonl"),
+    }
 
 
 def write_eval_prompts(tokenizer_dir: Path, path: Path) -> Path:
@@ -42,21 +49,50 @@ def write_eval_prompts(tokenizer_dir: Path, path: Path) -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    questions = ["what is the long story of the north sea", "tell me how to draw a tree", "why do children play with paper",
-                 "write a letter to my mother about the city", "how many days are in four years", "give an example of a kind act"]
+    questions = [
+        "what is the long story of the north sea",
+        "tell me how to draw a tree",
+        "why do children play with paper",
+        "write a letter to my mother about the city",
+        "how many days are in four years",
+        "give an example of a kind act",
+    ]
     rows = []
     for number, question in enumerate(questions):
         messages = [{"role": "user", "content": question}]
-        rows.append({"id": f"eval:{number}", "source": "eval", "messages": messages,
-                     "token_ids": prepare_prompts.encode(tokenizer, messages, enable_thinking=False)})
+        rows.append(
+            {
+                "id": f"eval:{number}",
+                "source": "eval",
+                "messages": messages,
+                "token_ids": prepare_prompts.encode(tokenizer, messages, enable_thinking=False),
+            }
+        )
     common.write_jsonl(path, rows)
     return path
 
 
 def pipeline_argv(inputs: dict[str, Path], work: Path, out: Path) -> list[str]:
-    return ["--config", str(TINY_CONFIG), "--work", str(work), "--out", str(out), "--mirror", str(inputs["mirror"]),
-            "--manifest", str(inputs["manifest"]), "--teacher", str(inputs["teacher"]), "--base", str(inputs["base"]),
-            "--tokenizer", str(inputs["tokenizer"]), "--eval-prompts", str(inputs["eval_prompts"])]
+    return [
+        "--config",
+        str(TINY_CONFIG),
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--mirror",
+        str(inputs["mirror"]),
+        "--manifest",
+        str(inputs["manifest"]),
+        "--teacher",
+        str(inputs["teacher"]),
+        "--base",
+        str(inputs["base"]),
+        "--tokenizer",
+        str(inputs["tokenizer"]),
+        "--eval-prompts",
+        str(inputs["eval_prompts"]),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +105,15 @@ def pipeline_run(inputs, tmp_path_factory) -> dict:
 def test_end_to_end_package_loads_strictly_and_drafts(pipeline_run):
     out, record = pipeline_run["out"], pipeline_run["record"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["config.json", "generation_config.json", "quant_config.json", "model_int4.safetensors", "model_card.json", "lora.safetensors", "lora_config.json"]
+        [
+            "config.json",
+            "generation_config.json",
+            "quant_config.json",
+            "model_int4.safetensors",
+            "model_card.json",
+            "lora.safetensors",
+            "lora_config.json",
+        ]
     )
     drafter = draft_model.load_model(out, device="cpu", dtype=torch.float32)
     drafts = draft_model.draft_batch(drafter, [[3, 7, 40, 41, 2, 3, 8, 9, 10], [3, 7, 50, 2, 3, 8]], max_tokens=8)
@@ -77,16 +121,29 @@ def test_end_to_end_package_loads_strictly_and_drafts(pipeline_run):
     assert all(0 <= t < 256 for d in drafts for t in d)
     assert record["package_draft_agreement"] == 1.0  # draft_model reads the package as the pipeline measured it
     quant = json.loads((out / "quant_config.json").read_text())
-    assert quant == {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True, "static_groups": False,
-                     "act_order": True, "damp_percent": 0.01, "checkpoint_format": "gptq", "modules_to_not_convert": ["lm_head"],
-                     "calibration_samples": 32, "quantized_embedding": {"group_size": 32, "method": "rtn", "sym": False}}
+    assert quant == {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+        "desc_act": True,
+        "static_groups": False,
+        "act_order": True,
+        "damp_percent": 0.01,
+        "checkpoint_format": "gptq",
+        "modules_to_not_convert": ["lm_head"],
+        "calibration_samples": 32,
+        "quantized_embedding": {"group_size": 32, "method": "rtn", "sym": False},
+    }
     with safe_open(str(out / "model_int4.safetensors"), framework="pt") as handle:
         names = set(handle.keys())
         assert handle.get_tensor("model.layers.0.mlp.down_proj.qweight").dtype == torch.int32
     assert "model.layers.1.self_attn.q_proj.qweight" in names and "model.layers.0.self_attn.q_proj.weight" not in names
     assert "lm_head.weight" not in names  # tied: the loader re-ties it
     assert "model.embed_tokens.qweight" in names and "model.embed_tokens.weight" not in names  # the INT4 table
-    assert draft_model.load_model(out, cache_slots=2).model.embed_tokens is None  # packed: the head's rows are the table
+    assert (
+        draft_model.load_model(out, cache_slots=2).model.embed_tokens is None
+    )  # packed: the head's rows are the table
     card = json.loads((out / "model_card.json").read_text())
     assert card["name"] == "tiny-test-drafter" and card["random_weights"] is True
 
@@ -97,12 +154,26 @@ def test_end_to_end_record_reports_every_stage(pipeline_run):
     for stage in ("base_model", "distilled", "int4", "int4_lora"):
         assert 1.0 <= record["holdout_tau"][stage] <= k + 1
     assert record["holdout_tau"]["base_model"] > 1.05  # the perturbed base already drafts something
-    assert record["holdout_tau"]["distilled"] >= record["holdout_tau"]["base_model"]  # selection keeps step 0 if nothing beats it
-    assert record["data"]["prompts_per_source"] == {"no_robots": 10, "gsm8k": 12, "tulu_code": 12, "tulu_if": 12, "aya": 12, "magpie": 6}
+    assert (
+        record["holdout_tau"]["distilled"] >= record["holdout_tau"]["base_model"]
+    )  # selection keeps step 0 if nothing beats it
+    assert record["data"]["prompts_per_source"] == {
+        "no_robots": 10,
+        "gsm8k": 12,
+        "tulu_code": 12,
+        "tulu_if": 12,
+        "aya": 12,
+        "magpie": 6,
+    }
     assert record["data"]["teacher_data"]["rows"] == 64
     assert record["data"]["magpie"]["seed"] == 0
     assert len(record["commands"]) == 8 and all(c.startswith("python evidence/") for c in record["commands"])
-    assert record["eval"]["sequences"] == 6 and set(record["eval"]["tau"]) == {"base_model", "distilled", "int4", "int4_lora"}
+    assert record["eval"]["sequences"] == 6 and set(record["eval"]["tau"]) == {
+        "base_model",
+        "distilled",
+        "int4",
+        "int4_lora",
+    }
     assert all(1.0 <= measured["tau"] <= k + 1 for measured in record["eval"]["tau"].values())
     assert not any(str(pipeline_run["work"]) in c for c in record["commands"])  # placeholders, not this machine's paths
     stored = json.loads((pipeline_run["work"] / "architecture.json").read_text())
@@ -134,7 +205,9 @@ def test_lora_adapter_is_a_peft_adapter(pipeline_run, tmp_path):
     ids = torch.tensor([[3, 7, 40, 41, 2, 3, 8, 9]])
     with torch.no_grad():
         torch.testing.assert_close(peft_model(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)
-    assert any(float(p.abs().max()) > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)  # trained, not the zero init
+    assert any(
+        float(p.abs().max()) > 0 for n, p in peft_model.named_parameters() if "lora_B" in n
+    )  # trained, not the zero init
 
 
 def test_rerun_skips_every_finished_stage(inputs, pipeline_run):
@@ -168,9 +241,31 @@ def test_prompts_take_the_user_turn_in_the_chat_template(pipeline_run):
 def run_magpie(inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
     from evidence import magpie_prompts
 
-    return magpie_prompts.main(["--prompts", str(prompts), "--teacher", str(inputs["teacher"]), "--tokenizer", str(inputs["tokenizer"]),
-                                "--count", "5", "--batch-size", "16", "--max-user-tokens", "48", "--min-words", "1", "--max-rounds", "3",
-                                "--max-prompt-tokens", "64", "--out", str(out), *extra])
+    return magpie_prompts.main(
+        [
+            "--prompts",
+            str(prompts),
+            "--teacher",
+            str(inputs["teacher"]),
+            "--tokenizer",
+            str(inputs["tokenizer"]),
+            "--count",
+            "5",
+            "--batch-size",
+            "16",
+            "--max-user-tokens",
+            "48",
+            "--min-words",
+            "1",
+            "--max-rounds",
+            "3",
+            "--max-prompt-tokens",
+            "64",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_magpie_prompts_are_reproducible_resumable_new_and_templated(inputs, pipeline_run, tmp_path):
@@ -202,8 +297,21 @@ def test_magpie_prompts_are_reproducible_resumable_new_and_templated(inputs, pip
 
 
 def run_prompts(inputs: dict, manifest: Path, out: Path, *extra: str) -> dict:
-    return prepare_prompts.main(["--manifest", str(manifest), "--mirror", str(inputs["mirror"]), "--tokenizer", str(inputs["tokenizer"]),
-                                 "--sources", "gsm8k", "--out", str(out), *extra])
+    return prepare_prompts.main(
+        [
+            "--manifest",
+            str(manifest),
+            "--mirror",
+            str(inputs["mirror"]),
+            "--tokenizer",
+            str(inputs["tokenizer"]),
+            "--sources",
+            "gsm8k",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def edited_manifest(inputs: dict, tmp_path: Path, name: str, **changes) -> Path:
@@ -225,7 +333,10 @@ def test_refuses_a_file_whose_sha256_differs(inputs, tmp_path):
     entry = json.loads(manifest.read_text())["datasets"]["gsm8k"]
     entry["files"][0]["sha256"] = "0" * 64
     edited = edited_manifest(inputs, tmp_path, "gsm8k", files=entry["files"])
-    with pytest.raises(common.UserError, match=r"dataset 'gsm8k': .*train-00000-of-00001.parquet has sha256 \w+ but the manifest records 0{64}"):
+    with pytest.raises(
+        common.UserError,
+        match=r"dataset 'gsm8k': .*train-00000-of-00001.parquet has sha256 \w+ but the manifest records 0{64}",
+    ):
         run_prompts(inputs, edited, tmp_path / "p.jsonl")
 
 
@@ -235,8 +346,12 @@ def test_refuses_an_unpinned_revision(inputs, tmp_path):
 
 
 def test_refuses_an_unlocked_entry_unless_locking(inputs, tmp_path):
-    with pytest.raises(common.UserError, match=r"dataset 'gsm8k' is not locked \(revision None\); run the fetch with --lock"):
-        run_prompts(inputs, edited_manifest(inputs, tmp_path, "gsm8k", revision=None, locked=False), tmp_path / "p.jsonl")
+    with pytest.raises(
+        common.UserError, match=r"dataset 'gsm8k' is not locked \(revision None\); run the fetch with --lock"
+    ):
+        run_prompts(
+            inputs, edited_manifest(inputs, tmp_path, "gsm8k", revision=None, locked=False), tmp_path / "p.jsonl"
+        )
 
 
 def test_repo_manifest_hub_entries_are_plainly_unlocked():
@@ -250,11 +365,17 @@ def test_repo_manifest_hub_entries_are_plainly_unlocked():
         assert all(len(member["sha256"]) == 64 for member in artifact["members"])
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"split": "test"}, "dataset 'gsm8k' declares split 'test'; only 'train' splits may be used"),
-    ({"split": "validation"}, "dataset 'gsm8k' declares split 'validation'"),
-    ({"files": [{"path": "main/test-00000-of-00001.parquet", "sha256": "0" * 64, "rows": 1}]}, "lists file main/test-00000-of-00001.parquet of split 'test'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"split": "test"}, "dataset 'gsm8k' declares split 'test'; only 'train' splits may be used"),
+        ({"split": "validation"}, "dataset 'gsm8k' declares split 'validation'"),
+        (
+            {"files": [{"path": "main/test-00000-of-00001.parquet", "sha256": "0" * 64, "rows": 1}]},
+            "lists file main/test-00000-of-00001.parquet of split 'test'",
+        ),
+    ],
+)
 def test_refuses_test_and_validation_splits(inputs, tmp_path, changes, message):
     with pytest.raises(common.UserError, match=message):
         run_prompts(inputs, edited_manifest(inputs, tmp_path, "gsm8k", **changes), tmp_path / "p.jsonl")
@@ -263,9 +384,23 @@ def test_refuses_test_and_validation_splits(inputs, tmp_path, changes, message):
 def test_command_line_refusal_is_one_message_and_exit_status_2(inputs, tmp_path):
     manifest = edited_manifest(inputs, tmp_path, "gsm8k", revision="v1.0")
     result = subprocess.run(
-        [sys.executable, "evidence/prepare_prompts.py", "--manifest", str(manifest), "--mirror", str(inputs["mirror"]),
-         "--tokenizer", str(inputs["tokenizer"]), "--sources", "gsm8k", "--out", str(tmp_path / "p.jsonl")],
-        cwd=ROOT, capture_output=True, text=True,
+        [
+            sys.executable,
+            "evidence/prepare_prompts.py",
+            "--manifest",
+            str(manifest),
+            "--mirror",
+            str(inputs["mirror"]),
+            "--tokenizer",
+            str(inputs["tokenizer"]),
+            "--sources",
+            "gsm8k",
+            "--out",
+            str(tmp_path / "p.jsonl"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert "error: dataset 'gsm8k' has unpinned revision 'v1.0'; expected a 40-hex commit hash" in result.stderr
@@ -281,10 +416,27 @@ def test_missing_column_is_named(inputs, tmp_path):
     path = mirror / "openai/gsm8k/main/train-00000-of-00001.parquet"
     path.parent.mkdir(parents=True)
     pq.write_table(pa.table({"question_text": ["a b"], "answer": ["c"]}), path)
-    manifest = edited_manifest(inputs, tmp_path, "gsm8k", files=[{"path": "main/train-00000-of-00001.parquet", "sha256": common.sha256_file(path), "rows": 1}])
+    manifest = edited_manifest(
+        inputs,
+        tmp_path,
+        "gsm8k",
+        files=[{"path": "main/train-00000-of-00001.parquet", "sha256": common.sha256_file(path), "rows": 1}],
+    )
     with pytest.raises(common.UserError, match=r"lacks column\(s\) \['question'\]"):
-        prepare_prompts.main(["--manifest", str(manifest), "--mirror", str(mirror), "--tokenizer", str(inputs["tokenizer"]),
-                              "--sources", "gsm8k", "--out", str(tmp_path / "p.jsonl")])
+        prepare_prompts.main(
+            [
+                "--manifest",
+                str(manifest),
+                "--mirror",
+                str(mirror),
+                "--tokenizer",
+                str(inputs["tokenizer"]),
+                "--sources",
+                "gsm8k",
+                "--out",
+                str(tmp_path / "p.jsonl"),
+            ]
+        )
 
 
 def test_artifact_is_verified_against_the_manifest(tmp_path):
@@ -297,10 +449,24 @@ def test_artifact_is_verified_against_the_manifest(tmp_path):
     wheel.parent.mkdir(parents=True)
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("demo/data.json", '[{"id": "c0", "conversations": [{"from": "human", "value": "hi"}]}]')
-    member_sha = __import__("hashlib").sha256(b'[{"id": "c0", "conversations": [{"from": "human", "value": "hi"}]}]').hexdigest()
-    manifest = {"datasets": {}, "artifacts": {"demo": {"kind": "pypi", "package": "demo", "version": "1.0", "file": wheel.name,
-                "sha256": common.sha256_file(wheel), "locked": True, "fetch": "pip download --no-deps demo==1.0",
-                "members": [{"path": "demo/data.json", "sha256": member_sha}]}}}
+    member_sha = (
+        __import__("hashlib").sha256(b'[{"id": "c0", "conversations": [{"from": "human", "value": "hi"}]}]').hexdigest()
+    )
+    manifest = {
+        "datasets": {},
+        "artifacts": {
+            "demo": {
+                "kind": "pypi",
+                "package": "demo",
+                "version": "1.0",
+                "file": wheel.name,
+                "sha256": common.sha256_file(wheel),
+                "locked": True,
+                "fetch": "pip download --no-deps demo==1.0",
+                "members": [{"path": "demo/data.json", "sha256": member_sha}],
+            }
+        },
+    }
     (tmp_path / "m.json").write_text(json.dumps(manifest))
     logger = logging.getLogger("test")
     extracted = common.fetch_artifact(tmp_path / "m.json", "demo", tmp_path / "cache", logger)
@@ -314,15 +480,29 @@ def test_artifact_is_verified_against_the_manifest(tmp_path):
 def test_measurement_prompts_must_not_be_training_prompts(pipeline_run, tmp_path):
     training = common.read_jsonl(pipeline_run["work"] / "prompts.jsonl")
     common.write_jsonl(tmp_path / "eval.jsonl", [training[3] | {"id": "eval:0"}])
-    with pytest.raises(common.UserError, match=r"1 measurement prompt\(s\) are also training prompts \(first: eval:0\)"):
+    with pytest.raises(
+        common.UserError, match=r"1 measurement prompt\(s\) are also training prompts \(first: eval:0\)"
+    ):
         run_pipeline.check_disjoint(pipeline_run["work"] / "prompts.jsonl", tmp_path / "eval.jsonl")
 
 
 def test_sharegpt_chats_give_one_prompt_per_human_turn():
-    chats = [{"id": "c0", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
-                                            {"from": "human", "value": "who are you"}, {"from": "gpt", "value": "a model"}]}]
+    chats = [
+        {
+            "id": "c0",
+            "conversations": [
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+                {"from": "human", "value": "who are you"},
+                {"from": "gpt", "value": "a model"},
+            ],
+        }
+    ]
     rows = list(prepare_prompts.read_sharegpt(chats))
-    assert [(row_id, [m["role"] for m in messages]) for row_id, messages, _ in rows] == [("c0:0", ["user"]), ("c0:2", ["user", "assistant", "user"])]
+    assert [(row_id, [m["role"] for m in messages]) for row_id, messages, _ in rows] == [
+        ("c0:0", ["user"]),
+        ("c0:2", ["user", "assistant", "user"]),
+    ]
     assert rows[1][1][1] == {"role": "assistant", "content": "hello"}
 
 
@@ -341,7 +521,17 @@ def test_hub_model_without_pinned_revision_is_refused(inputs, tmp_path):
 def test_every_script_has_help(capsys):
     from evidence import add_aya, gen_data, gptq_drafter, lora_after_gptq, smollm2_models, tau, train_drafter
 
-    for module in (prepare_prompts, add_aya, gen_data, train_drafter, gptq_drafter, lora_after_gptq, run_pipeline, tau, smollm2_models):
+    for module in (
+        prepare_prompts,
+        add_aya,
+        gen_data,
+        train_drafter,
+        gptq_drafter,
+        lora_after_gptq,
+        run_pipeline,
+        tau,
+        smollm2_models,
+    ):
         with pytest.raises(SystemExit) as exit_info:
             module.parse_args(["--help"])
         assert exit_info.value.code == 0
@@ -358,6 +548,8 @@ def test_student_from_a_subset_of_teacher_layers(tmp_path):
     layer_subset(teacher, [0, 2], tmp_path / "student")
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
     assert student.config.num_hidden_layers == 2
-    torch.testing.assert_close(student.model.layers[1].mlp.down_proj.weight, teacher.model.layers[2].mlp.down_proj.weight)
+    torch.testing.assert_close(
+        student.model.layers[1].mlp.down_proj.weight, teacher.model.layers[2].mlp.down_proj.weight
+    )
     torch.testing.assert_close(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
     assert student.lm_head.weight is student.model.embed_tokens.weight  # still tied

@@ -224,7 +224,9 @@ def test_hybrid_drafting_copies_long_repeats_and_is_validated(client: httpx.Clie
     repeating = opening + prompt(10, seed=952) + opening[:6]  # ends in a 6-token n-gram seen at the start
     copied = client.post("/draft", json={"token_ids": repeating, "max_tokens": 8, "lookup_min_match": 4}).json()
     assert copied["draft_token_ids"] == opening[6:14] and copied["source"] == "lookup"
-    modelled = client.post("/draft", json={"token_ids": repeating, "max_tokens": 8}).json()  # this server's default: off
+    modelled = client.post(
+        "/draft", json={"token_ids": repeating, "max_tokens": 8}
+    ).json()  # this server's default: off
     assert modelled["draft_token_ids"] == reference(repeating, 8) and modelled["source"] == "model"
     no_repeat = prompt(40, seed=953)
     fallback = client.post("/draft", json={"token_ids": no_repeat, "max_tokens": 8, "lookup_min_match": 8}).json()
@@ -381,7 +383,9 @@ def test_disconnecting_clients_do_not_break_their_batch(client: httpx.Client, li
 
 def test_clients_that_hang_up_while_queued_are_not_drafted(repo_root, tiny_checkpoint, reference, tmp_path):
     """Behind four one-at-a-time 64-token drafts, a client that gives up after 20 ms is still queued."""
-    running = start_server(repo_root, tiny_checkpoint, tmp_path / "server.log", "--max-batch-size", "1", "--max-wait-ms", "0")
+    running = start_server(
+        repo_root, tiny_checkpoint, tmp_path / "server.log", "--max-batch-size", "1", "--max-wait-ms", "0"
+    )
     try:
         patient_requests = [(prompt(300, seed=700 + i), 64) for i in range(4)]
 
@@ -390,7 +394,10 @@ def test_clients_that_hang_up_while_queued_are_not_drafted(repo_root, tiny_check
                 httpx.AsyncClient(base_url=running.url, timeout=120) as patient,
                 httpx.AsyncClient(base_url=running.url, timeout=0.02) as impatient,
             ):
-                kept = [asyncio.create_task(patient.post("/draft", json={"token_ids": t, "max_tokens": n})) for t, n in patient_requests]
+                kept = [
+                    asyncio.create_task(patient.post("/draft", json={"token_ids": t, "max_tokens": n}))
+                    for t, n in patient_requests
+                ]
                 await asyncio.sleep(0.005)  # the impatient ones queue behind the patient ones
                 dropped = [impatient.post("/draft", json={"token_ids": prompt(50, seed=800 + i)}) for i in range(3)]
                 return await asyncio.gather(*kept, *dropped, return_exceptions=True)
@@ -652,13 +659,42 @@ def test_shipped_model_package_serves_its_own_vocabulary(repo_root: Path, tmp_pa
         health = httpx.get(running.url + "/health", timeout=10).json()
         assert health["random_weights"] is False
         assert health["model"]["quantization"]["embedding_group_size"] == 32 and health["model"]["vocab_size"] == 49152
-        smollm2_chat = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198]
+        smollm2_chat = [
+            1,
+            9690,
+            198,
+            2683,
+            359,
+            253,
+            5356,
+            5646,
+            11173,
+            3365,
+            3511,
+            308,
+            34519,
+            28,
+            7018,
+            411,
+            407,
+            19712,
+            8182,
+            2,
+            198,
+            1,
+            4093,
+            198,
+        ]
         body = httpx.post(running.url + "/draft", json={"token_ids": smollm2_chat, "max_tokens": 8}, timeout=30).json()
         drafter = draft_model.load_model(model_dir, cache_slots=2)  # the server's defaults: device, dtype, weights auto
         assert body["draft_token_ids"] == draft_model.draft_batch(drafter, [smollm2_chat], max_tokens=8)[0]
         qwen3_chat = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
         refused = httpx.post(running.url + "/draft", json={"token_ids": qwen3_chat}, timeout=30)
-        assert refused.status_code == 400 and "SmolLM2" in refused.json()["detail"] and "0..49151" in refused.json()["detail"]
+        assert (
+            refused.status_code == 400
+            and "SmolLM2" in refused.json()["detail"]
+            and "0..49151" in refused.json()["detail"]
+        )
     finally:
         stop_server(running)
     assert "RANDOM WEIGHTS" not in running.log()
@@ -666,7 +702,9 @@ def test_shipped_model_package_serves_its_own_vocabulary(repo_root: Path, tmp_pa
 
 def test_shipped_model_is_what_architecture_json_records(repo_root: Path):
     record = json.loads((repo_root / "architecture.json").read_text())
-    shipped = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted((repo_root / "model").iterdir())}
+    shipped = {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted((repo_root / "model").iterdir())
+    }
     assert record["model_files_sha256"] == shipped
     assert record["measured_tau"]["runs"] and all(run["check"] == "passed" for run in record["measured_tau"]["runs"])
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from pipeline_fixtures import perturbed_copy
+from tiny_models import make_hf_model
 
 from evidence.gen_data import generate_transformers
 from evidence.tau import committed_per_step, offline_tau, tau_from_matches
-from pipeline_fixtures import perturbed_copy
-from tiny_models import make_hf_model
 
 
 @torch.no_grad()
@@ -61,7 +61,15 @@ def test_offline_tau_equals_draft_and_verify_loop(k):
         committed, steps = draft_and_verify(teacher, student, prompt, length, k)
         assert committed == tokens.tolist() == greedy_tokens(teacher, prompt, length)  # lossless, and the cache agrees
         loop_steps += steps
-        examples.append(dict(id=str(prompt), prompt_ids=torch.tensor(prompt), tokens=tokens, topk_ids=topk_ids, topk_logprobs=topk_logprobs))
+        examples.append(
+            dict(
+                id=str(prompt),
+                prompt_ids=torch.tensor(prompt),
+                tokens=tokens,
+                topk_ids=topk_ids,
+                topk_logprobs=topk_logprobs,
+            )
+        )
     report = offline_tau(student, examples, k=k, batch_size=4, progress=False)
     assert report.steps == loop_steps
     assert report.tau == pytest.approx(len(prompts) * length / loop_steps)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_fixtures import perturbed_copy
+from tiny_models import make_hf_model, write_hf_checkpoint
 
 from evidence import common
 from evidence.gen_data import load_examples
 from evidence.train_drafter import distillation_loss, learning_rate_factor
-from pipeline_fixtures import perturbed_copy
-from tiny_models import make_hf_model, write_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,9 @@ def test_kl_renormalises_the_teacher_top_k_and_the_student_on_those_ids():
     logits = torch.tensor([[0.0, 2.0, 5.0, 2.0, -1.0]])
     topk_ids, topk_logprobs = torch.tensor([[1, 3]]), torch.tensor([[math.log(0.6), math.log(0.2)]])
     _, parts = distillation_loss(logits, torch.tensor([1]), topk_ids, topk_logprobs, ce_weight=1.0, kl_weight=1.0)
-    assert parts["kl"] == pytest.approx(0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5), rel=1e-6)  # 0.1308120
+    assert parts["kl"] == pytest.approx(
+        0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5), rel=1e-6
+    )  # 0.1308120
     assert parts["ce"] == pytest.approx(-(2.0 - math.log(1 + 2 * math.exp(2) + math.exp(5) + math.exp(-1))), rel=1e-6)
 
 
@@ -36,7 +38,9 @@ def test_kl_and_cross_entropy_equal_a_hand_computed_batch():
     logits = torch.tensor([[0.0, 9.0, math.log(2), 0.0, 3.0], [-1.0, 2.0, 0.5, 0.0, 2.0]])
     targets = torch.tensor([2, 4])
     topk_ids = torch.tensor([[0, 2, 3], [4, 1, 0]])
-    topk_logprobs = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25)], [math.log(0.6), math.log(0.2), math.log(0.2)]])
+    topk_logprobs = torch.tensor(
+        [[math.log(0.5), math.log(0.25), math.log(0.25)], [math.log(0.6), math.log(0.2), math.log(0.2)]]
+    )
     kl_row0 = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5) + 0.25 * math.log(0.25 / 0.25)  # 0.1732868
     z = 2 * math.exp(2) + math.exp(-1)
     q_row1 = [math.exp(2) / z, math.exp(2) / z, math.exp(-1) / z]
@@ -72,10 +76,30 @@ def data(tmp_path_factory) -> dict[str, Path]:
     teacher = make_hf_model("qwen3", seed=11)
     write_hf_checkpoint(teacher, root / "teacher")
     write_hf_checkpoint(perturbed_copy(teacher, noise=0.3, seed=12), root / "base")
-    prompts = [{"id": f"q{i}", "source": "test", "messages": [], "token_ids": [3, 10 + i, 60 + 2 * i, 9]} for i in range(24)]
+    prompts = [
+        {"id": f"q{i}", "source": "test", "messages": [], "token_ids": [3, 10 + i, 60 + 2 * i, 9]} for i in range(24)
+    ]
     common.write_jsonl(root / "prompts.jsonl", prompts)
-    gen_data.main(["--prompts", str(root / "prompts.jsonl"), "--teacher", str(root / "teacher"), "--out", str(root / "data"),
-                   "--max-new-tokens", "16", "--batch-size", "8", "--shard-size", "12", "--holdout-fraction", "0.25", "--eos-token-ids", "2"])
+    gen_data.main(
+        [
+            "--prompts",
+            str(root / "prompts.jsonl"),
+            "--teacher",
+            str(root / "teacher"),
+            "--out",
+            str(root / "data"),
+            "--max-new-tokens",
+            "16",
+            "--batch-size",
+            "8",
+            "--shard-size",
+            "12",
+            "--holdout-fraction",
+            "0.25",
+            "--eos-token-ids",
+            "2",
+        ]
+    )
     return {"root": root, "base": root / "base", "data": root / "data"}
 
 
@@ -86,8 +110,28 @@ def test_training_raises_train_agreement_and_keeps_the_best_checkpoint(data, tmp
     from evidence.tau import offline_tau
 
     out = tmp_path / "student"
-    report = train_drafter.main(["--base", str(data["base"]), "--data", str(data["data"]), "--out", str(out), "--k", "4",
-                                 "--lr", "3e-3", "--warmup-steps", "2", "--max-steps", "12", "--batch-size", "6", "--eval-every", "4"])
+    report = train_drafter.main(
+        [
+            "--base",
+            str(data["base"]),
+            "--data",
+            str(data["data"]),
+            "--out",
+            str(out),
+            "--k",
+            "4",
+            "--lr",
+            "3e-3",
+            "--warmup-steps",
+            "2",
+            "--max-steps",
+            "12",
+            "--batch-size",
+            "6",
+            "--eval-every",
+            "4",
+        ]
+    )
     assert [entry["step"] for entry in report["history"]] == [0, 4, 8, 12]
     best = max(report["history"], key=lambda entry: entry["holdout_tau"])
     assert report["selected_step"] == best["step"] and report["selected_holdout_tau"] == best["holdout_tau"]
@@ -96,18 +140,47 @@ def test_training_raises_train_agreement_and_keeps_the_best_checkpoint(data, tmp
     assert holdout.tau == pytest.approx(best["holdout_tau"])  # the saved weights are the selected ones
     base = AutoModelForCausalLM.from_pretrained(data["base"])
     train = load_examples(data["data"], "train")
-    last = train_drafter.train(base, train, train, train_drafter.TrainSettings(k=4, lr=3e-3, warmup_steps=2, max_steps=12, batch_size=6, eval_every=12),
-                               common.setup_logging(tmp_path / "t.log", "t"))
+    last = train_drafter.train(
+        base,
+        train,
+        train,
+        train_drafter.TrainSettings(k=4, lr=3e-3, warmup_steps=2, max_steps=12, batch_size=6, eval_every=12),
+        common.setup_logging(tmp_path / "t.log", "t"),
+    )
     assert last["history"][-1]["holdout_tau"] > last["history"][0]["holdout_tau"]  # it learns what it is taught
 
 
 def test_same_script_runs_as_ddp_under_torchrun(data, tmp_path):
     """Two CPU processes (gloo): both ranks train, rank 0 saves; DDP keeps the replicas equal."""
     out = tmp_path / "ddp"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "evidence/train_drafter.py", "--base", str(data["base"]),
-               "--data", str(data["data"]), "--out", str(out), "--k", "4", "--lr", "3e-3", "--warmup-steps", "1", "--max-steps", "3",
-               "--batch-size", "3", "--eval-every", "3"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "evidence/train_drafter.py",
+        "--base",
+        str(data["base"]),
+        "--data",
+        str(data["data"]),
+        "--out",
+        str(out),
+        "--k",
+        "4",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "1",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "3",
+        "--eval-every",
+        "3",
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (out / "model.safetensors").exists()
     report = json.loads(common.log_path_beside(out, "train_drafter").with_suffix(".json").read_text())
