@@ -1,5 +1,5 @@
 """GPTQ INT4 quantization of the distilled drafter, calibrated on its own training data, written as the
-model package (DESIGN section 5).
+model package (docs/package-format.md).
 
 GPTQ (Frantar et al., 2022) quantizes a Linear's weight W [out, in] one input column at a time and
 spreads each column's rounding error over the columns not yet quantized, weighted by the inverse of

