@@ -14,11 +14,45 @@
 #   DEVICE -> --device   DTYPE -> --dtype   WEIGHTS -> --weights   THREADS -> --threads
 #   API_KEY_FILE -> --api-key-file   MAX_BODY_BYTES -> --max-body-bytes   LOG_LEVEL -> --log-level
 #   ACCESS_LOG=1 -> --access-log
+#
+# Scaling out (docs/scaling.md); either variable installs the 'scale' extra (vllm-router) on first use:
+#   REPLICAS=N          N servers on 127.0.0.1:REPLICA_BASE_PORT.. (default PORT+1..) and, on HOST:PORT, vllm-router
+#                       hashing the X-Session-ID header (scripts/replicas.py); every setting above goes to each replica
+#   WORKER_URLS="URL …" only the router, on HOST:PORT, over servers already running elsewhere (space or comma separated)
+#   ROUTER_METRICS_PORT the router's Prometheus port (default: the port after the last replica's; router only: PORT+1)
+#   ROUTER_ARGS         extra vllm-router flags (one shell-quoted string)
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-"$repo/scripts/ensure_venv.sh"
+scale_out=0
+if [[ -n "${REPLICAS:-}" || -n "${WORKER_URLS:-}" ]]; then
+    scale_out=1
+    fail() { echo "serve.sh: $1" >&2; exit 2; }
+    if [[ -n "${REPLICAS:-}" && -n "${WORKER_URLS:-}" ]]; then
+        fail "set REPLICAS (servers here) or WORKER_URLS (servers elsewhere), not both"
+    fi
+    if [[ -n "${REPLICAS:-}" && ! "$REPLICAS" =~ ^[1-9][0-9]*$ ]]; then
+        fail "REPLICAS=$REPLICAS: must be a whole number >= 1 (unset it for one server without a router)"
+    fi
+    if [[ -n "${API_KEY_FILE:-}" ]]; then
+        fail "API_KEY_FILE with REPLICAS/WORKER_URLS: vllm-router neither checks client keys nor forwards the Authorization header; authenticate at a gateway in front (docs/scaling.md)"
+    fi
+    "$repo/scripts/ensure_venv.sh" scale
+else
+    "$repo/scripts/ensure_venv.sh"
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+if [[ $scale_out == 1 ]]; then
+    router=(--host "${HOST:-127.0.0.1}" --port "${PORT:-8000}" --router-args "${ROUTER_ARGS:-}")
+    if [[ -n "${ROUTER_METRICS_PORT:-}" ]]; then router+=(--metrics-port "$ROUTER_METRICS_PORT"); fi
+    if [[ -n "${WORKER_URLS:-}" ]]; then
+        read -r -a urls <<< "${WORKER_URLS//,/ }"
+        exec "$repo/.venv/bin/python" "$repo/scripts/replicas.py" --worker-urls "${urls[@]}" "${router[@]}" "$@"
+    fi
+    if [[ -n "${REPLICA_BASE_PORT:-}" ]]; then router+=(--replica-base-port "$REPLICA_BASE_PORT"); fi
+    unset HOST PORT  # the router's; each replica gets a loopback port from scripts/replicas.py
+fi
 
 args=(--model-dir "${MODEL_DIR:-$repo/model}")
 add_flag() {  # add_flag FLAG VALUE: pass FLAG only when VALUE is set
@@ -43,4 +77,7 @@ add_flag --max-body-bytes "${MAX_BODY_BYTES:-}"
 add_flag --log-level "${LOG_LEVEL:-}"
 if [[ "${ACCESS_LOG:-0}" == 1 ]]; then args+=(--access-log); fi
 
+if [[ $scale_out == 1 ]]; then
+    exec "$repo/.venv/bin/python" "$repo/scripts/replicas.py" --replicas "$REPLICAS" "${router[@]}" -- "${args[@]}" "$@"
+fi
 exec "$repo/.venv/bin/python" "$repo/server.py" "${args[@]}" "$@"
