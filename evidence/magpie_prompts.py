@@ -9,6 +9,12 @@ earlier prompt (same text up to case, spacing and punctuation, also against --pr
 measurement-only prompts of --exclude, which must never be trained on) or is longer than
 --max-prompt-tokens once templated.
 
+With --categories FILE (a JSON object: category -> {"system": text, "openers": [text, ...]}) the rounds
+are steered by category, in turn: round r uses category r mod C, whose system message replaces the
+template's default one in the prefix, and one of its openers, which begins the user turn (the sample
+continues it). The kept prompt is the opener plus the sample, as a plain user turn under the template's
+default system message (the steering system message is not kept), tagged with its "category".
+
 Rounds of --batch-size samples are drawn with the seed (--seed, round number), so a run is reproducible
 and resumable: every finished round is appended to OUT.magpie_prompts.rounds.jsonl, and a rerun with the same
 settings continues after the last one. Rounds continue until --count prompts are kept (or --max-rounds).
@@ -17,7 +23,8 @@ Writes OUT = PROMPTS + the new prompts (id "magpie:ROUND:ROW", source "magpie"),
 (settings, seed, counts of what was dropped and why) and the log OUT.magpie_prompts.log.
 
     python evidence/magpie_prompts.py --prompts WORK/prompts_base.jsonl --teacher TEACHER_DIR \
-        --tokenizer TOKENIZER_DIR --count 3000 --seed 0 --out WORK/prompts.jsonl
+        --tokenizer TOKENIZER_DIR --count 3000 --seed 0 --out WORK/prompts.jsonl \
+        [--categories evidence/configs/magpie_categories.json]
 """
 
 from __future__ import annotations
@@ -41,16 +48,46 @@ SOURCE = "magpie"
 SENTINEL = "\x00MAGPIE_USER_TURN\x00"
 
 
-def user_prefix_ids(tokenizer, enable_thinking: bool) -> list[int]:
-    """Token ids of the chat template up to where a user message's text begins."""
+def user_prefix_ids(tokenizer, enable_thinking: bool, system: str | None = None, opener: str = "") -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins (after `system` as the
+    system message when given), followed by `opener`, the start of the user's text."""
+    messages = [{"role": "system", "content": system}] if system else []
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": SENTINEL}], tokenize=False, enable_thinking=enable_thinking
+        messages + [{"role": "user", "content": SENTINEL}], tokenize=False, enable_thinking=enable_thinking
     )
     if SENTINEL not in text:
         raise common.UserError(
             "the tokenizer's chat template does not place the user message verbatim; Magpie needs it to"
         )
-    return tokenizer(text[: text.index(SENTINEL)], add_special_tokens=False)["input_ids"]
+    return tokenizer(text[: text.index(SENTINEL)] + opener, add_special_tokens=False)["input_ids"]
+
+
+def read_categories(path: Path | None) -> dict[str, dict]:
+    """The --categories file, checked: category -> {"system": text, "openers": [text, ...]}."""
+    if path is None:
+        return {}
+    categories = common.read_json(path, "Magpie categories")
+    if not isinstance(categories, dict) or not categories:
+        raise common.UserError(f"{path}: expected a non-empty JSON object of categories")
+    for name, spec in categories.items():
+        ok = isinstance(spec, dict) and isinstance(spec.get("system"), str) and spec["system"].strip()
+        openers = spec.get("openers") if isinstance(spec, dict) else None
+        if not ok or not isinstance(openers, list) or not openers or not all(isinstance(o, str) for o in openers):
+            raise common.UserError(
+                f'{path}: category {name!r} needs "system" (text) and "openers" (a non-empty list of texts)'
+            )
+    return categories
+
+
+def round_steering(categories: dict[str, dict], round_index: int) -> tuple[str | None, str | None, str]:
+    """(category, system message, opener) of a round: categories in turn, then each category's openers in
+    turn, so every category gets the same number of rounds and the choice needs no random state."""
+    if not categories:
+        return None, None, ""
+    names = list(categories)
+    name = names[round_index % len(names)]
+    openers = categories[name]["openers"]
+    return name, categories[name]["system"], openers[(round_index // len(names)) % len(openers)]
 
 
 def normalized(text: str) -> str:
@@ -115,11 +152,13 @@ class MagpieFilter:
         self.seen_texts = {normalized(user_text(row)) for row in existing + excluded}
         self.dropped = Counter()
 
-    def add(self, prompt_id: str, sample: list[int] | None) -> dict | None:
+    def add(
+        self, prompt_id: str, sample: list[int] | None, opener: str = "", category: str | None = None
+    ) -> dict | None:
         if sample is None:
             self.dropped["no_end_of_turn"] += 1
             return None
-        text = self.tokenizer.decode(sample, skip_special_tokens=False).strip()
+        text = (opener + self.tokenizer.decode(sample, skip_special_tokens=False)).strip()
         if len(text.split()) < self.min_words:
             self.dropped["too_short"] += 1
             return None
@@ -130,7 +169,10 @@ class MagpieFilter:
             self.dropped["duplicate_text"] += 1
             return None
         self.seen_texts.add(normalized(text))
-        return self.collector.add(SOURCE, prompt_id, [{"role": "user", "content": text}])
+        row = self.collector.add(SOURCE, prompt_id, [{"role": "user", "content": text}])
+        if row is not None and category is not None:
+            row["category"] = category
+        return row
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -150,6 +192,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Qwen3 chat template thinking mode (default off)",
     )
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--categories", type=Path, default=None, help="JSON: category -> system message and openers (steered rounds)"
+    )
     parser.add_argument("--count", type=int, required=True, help="prompts to add")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -203,6 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
         "max_user_tokens": args.max_user_tokens,
         "dtype": args.dtype,
     }
+    categories = read_categories(args.categories)
+    if categories:  # recorded whole, so a resumed run refuses rounds steered differently
+        settings["categories"] = categories
     rounds_path = common.log_path_beside(args.out, "magpie_prompts").with_suffix(".rounds.jsonl")
     rounds = read_rounds(rounds_path, settings)
     # Rewritten without a torn last line, so the rounds appended below start on a line of their own.
@@ -212,12 +260,13 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("user prefix %r; %d finished round(s) found", tokenizer.decode(prefix), len(rounds))
 
     keep = MagpieFilter(tokenizer, args, existing, [row for path in args.exclude for row in common.read_jsonl(path)])
-    added = [
-        row
-        for r in rounds
-        for i, s in enumerate(r["samples"])
-        if (row := keep.add(f"{SOURCE}:{r['round']}:{i}", s)) is not None
-    ]
+
+    def keep_round(round_index: int, samples: list) -> list[dict]:
+        category, _, opener = round_steering(categories, round_index)
+        rows = (keep.add(f"{SOURCE}:{round_index}:{i}", s, opener, category) for i, s in enumerate(samples))
+        return [row for row in rows if row is not None]
+
+    added = [row for r in rounds for row in keep_round(r["round"], r["samples"])]
     max_rounds = args.max_rounds or -(-4 * args.count // args.batch_size)
     model = None
     progress = tqdm(total=args.count, initial=min(len(added), args.count), desc="magpie prompts", unit="prompt")
@@ -231,13 +280,13 @@ def main(argv: list[str] | None = None) -> dict:
                 model = AutoModelForCausalLM.from_pretrained(
                     teacher, revision=revision, dtype=getattr(torch, args.dtype)
                 ).eval()
-            samples = sample_round(model, prefix, args, end_ids, round_index)
+            _, system, opener = round_steering(categories, round_index)
+            steered = user_prefix_ids(tokenizer, args.enable_thinking, system, opener) if categories else prefix
+            samples = sample_round(model, steered, args, end_ids, round_index)
             log.write(json.dumps({"round": round_index, "samples": samples}) + "\n")
             log.flush()
             before = len(added)
-            added += [
-                row for i, s in enumerate(samples) if (row := keep.add(f"{SOURCE}:{round_index}:{i}", s)) is not None
-            ]
+            added += keep_round(round_index, samples)
             progress.update(min(len(added), args.count) - min(before, args.count))
     progress.close()
     added = added[: args.count]
@@ -255,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         "count": args.count,
         "added": len(added),
         "total": len(existing) + len(added),
+        "per_category": dict(Counter(row.get("category") for row in added if row.get("category"))),
         "dropped": dict(keep.dropped)
         | {k: v for k, v in keep.collector.counts.get(SOURCE, {}).items() if k in ("too_long", "duplicate")},
     }

@@ -196,6 +196,8 @@ class Pipeline:
             self.run_stage("aya", "add_aya", aya_argv, [written[1]])
         if magpie_cfg:
             exclude = ["--exclude", str(self.args.eval_prompts)] if self.args.eval_prompts else []
+            if magpie_cfg.get("categories"):  # a file named relative to the config that names it
+                magpie_cfg = magpie_cfg | {"categories": str(self.args.config.parent / magpie_cfg["categories"])}
             magpie_argv = [
                 "--prompts",
                 str(written[-2]),

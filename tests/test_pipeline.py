@@ -296,6 +296,37 @@ def test_magpie_prompts_are_reproducible_resumable_new_and_templated(inputs, pip
         run_magpie(inputs, existing, tmp_path / "a.jsonl", "--seed", "1")
 
 
+def test_magpie_categories_steer_each_round_and_tag_the_prompts(inputs, pipeline_run, tmp_path):
+    from evidence.magpie_prompts import round_steering, user_prefix_ids
+
+    categories = {
+        "story": {"system": "you write a long story", "openers": ["tell me", "write a"]},
+        "math": {"system": "you count the days", "openers": ["how many"]},
+    }
+    path = tmp_path / "categories.json"
+    path.write_text(json.dumps(categories))
+    existing = pipeline_run["work"] / "prompts_aya.jsonl"
+    summary = run_magpie(inputs, existing, tmp_path / "c.jsonl", "--categories", str(path), "--max-rounds", "4")
+    assert summary["settings"]["categories"] == categories  # recorded, so a resume with other steering refuses
+    added = common.read_jsonl(tmp_path / "c.jsonl")[-summary["added"] :]
+    for row in added:
+        round_index = int(row["id"].split(":")[1])
+        category, _, opener = round_steering(categories, round_index)
+        assert row["category"] == category == ["story", "math"][round_index % 2]
+        assert row["messages"] == [{"role": "user", "content": row["messages"][0]["content"]}]  # no steering system
+        assert row["messages"][0]["content"].startswith(opener)
+    assert sum(summary["per_category"].values()) == summary["added"]
+    assert [round_steering(categories, r)[2] for r in range(4)] == ["tell me", "how many", "write a", "how many"]
+    tokenizer = prepare_prompts.load_tokenizer(str(inputs["tokenizer"]), None)
+    plain = user_prefix_ids(tokenizer, enable_thinking=False)
+    steered = user_prefix_ids(tokenizer, enable_thinking=False, system="you count the days", opener="how many")
+    assert steered != plain and steered[-2:] == tokenizer("how many", add_special_tokens=False)["input_ids"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"math": {"system": "x", "openers": []}}))
+    with pytest.raises(common.UserError, match="openers"):
+        run_magpie(inputs, existing, tmp_path / "d.jsonl", "--categories", str(bad))
+
+
 def run_prompts(inputs: dict, manifest: Path, out: Path, *extra: str) -> dict:
     return prepare_prompts.main(
         [
