@@ -5,9 +5,11 @@ Per Linear with K inputs, N outputs and group size G, a GPTQ checkpoint holds qw
 int32 [K]. Nibble j of an int32 holds bits 4j..4j+3, and W[n, k] = scales[g[k], n] * (q[k, n] - zero[g[k], n]).
 "gptq" (v1) checkpoints store zero - 1 (masked to 4 bits); "gptq_v2" stores the zero itself.
 
-The quantizers (evidence/gptq_drafter.py, the round-to-nearest baseline, the INT4 embedding table) write
-with `gptq_pack`; the loader reads with `gptq_integers` / `gptq_dequantize`; `Int4Linear` holds a layer in
-the kernel's layout.
+One implementation of the 4-bit grid serves every writer and reader: `group_grid` (scale and zero of a
+group), `quantize` (values onto a grid) and `dequantize` (integers back to weights). GPTQ
+(evidence/gptq_drafter.py), the round-to-nearest baseline and the INT4 embedding table (`rtn_integers`,
+`rtn_quantize`) are built from them and write with `gptq_pack`; the loader reads with `gptq_integers` /
+`gptq_dequantize`; `Int4Linear` holds a layer in the kernel's layout.
 """
 
 import functools
@@ -16,6 +18,8 @@ import torch
 from torch import nn
 
 NIBBLES_PER_INT32 = 8
+MAX_Q = 15  # 4-bit integers are 0..15
+MIN_SCALE = 2**-14  # fp16's smallest normal number: the floor of every scale
 ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 
 
@@ -62,6 +66,14 @@ def gptq_integers(
     return unpack_int4(qweight, dim=0), zeros
 
 
+def dequantize(
+    int_weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> torch.Tensor:
+    """W [N, K] = scales[g[k], n] * (q[n, k] - zeros[g[k], n]): what 4-bit weights [N, K] mean, in fp32."""
+    groups = g_idx.to(torch.int64)
+    return (scales.float()[groups] * (int_weight.t() - zeros[groups]).float()).t().contiguous()
+
+
 def gptq_dequantize(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
@@ -71,27 +83,47 @@ def gptq_dequantize(
 ) -> torch.Tensor:
     """The fp32 weight [N, K] (nn.Linear layout) that a GPTQ checkpoint means."""
     q, zeros = gptq_integers(qweight, qzeros, checkpoint_format)
-    groups = g_idx.to(torch.int64)
-    weight = scales.float()[groups] * (q - zeros[groups]).float()  # (K, N)
-    return weight.t().contiguous()
+    return dequantize(q.t(), zeros, scales, g_idx)
 
 
-def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, torch.Tensor]:
-    """Round-to-nearest 4-bit GPTQ tensors of a weight [N, K]: per group of `group_size` inputs, the
-    grid spans [min(w, 0), max(w, 0)] (symmetric: +-max|w| around zero 8). GPTQ's baseline."""
-    out_features, in_features = weight.shape
-    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (N, K/G, G)
-    low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)  # (N, K/G)
+def group_grid(values: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit grid (fp16-representable scale, integer zero 0..15) of each group: values [..., G] -> two
+    tensors [...]. The grid spans [min(v, 0), max(v, 0)]; symmetric grids span +-max|v| around zero 8.
+
+    The scale is rounded to fp16 here because the stored fp16 scale is what dequantizes, and floored at
+    2^-14 (fp16's smallest normal): an all-zero group then still has a usable scale and dequantizes to 0."""
+    low, high = values.amin(dim=-1).clamp(max=0), values.amax(dim=-1).clamp(min=0)
     if sym:
         high = torch.maximum(high, -low)
         low = -high
-    # The stored fp16 scale is what dequantizes; the floor keeps an all-zero group's scale a normal fp16.
-    scales = ((high - low) / 15).clamp(min=2**-14).half().float()
-    zeros = torch.full_like(scales, 8) if sym else torch.round(-low / scales).clamp(0, 15)
-    ints = torch.clamp(torch.round(groups / scales[..., None]) + zeros[..., None], 0, 15).reshape(
-        out_features, in_features
-    )
-    return gptq_pack(ints.long(), zeros.long().t(), scales.t(), torch.arange(in_features) // group_size)
+    scales = ((high - low) / MAX_Q).clamp(min=MIN_SCALE).half().float()
+    zeros = torch.full_like(scales, (MAX_Q + 1) // 2) if sym else torch.round(-low / scales).clamp(0, MAX_Q)
+    return scales, zeros.long()
+
+
+def quantize(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Round values onto their grids (broadcast): the integers 0..15 of clamp(round(v / scale) + zero)."""
+    return torch.clamp(torch.round(values / scales) + zeros, 0, MAX_Q).long()
+
+
+def rtn_integers(
+    weight: torch.Tensor, group_size: int, sym: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest of a weight [N, K] per group of `group_size` inputs: (int_weight [N, K],
+    zeros [K/G, N], scales [K/G, N], g_idx [K]), the arguments of gptq_pack and dequantize."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"rtn: input width {in_features} is not a multiple of the group size {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (N, K/G, G)
+    scales, zeros = group_grid(groups, sym)  # (N, K/G)
+    ints = quantize(groups, scales[..., None], zeros[..., None]).reshape(out_features, in_features)
+    return ints, zeros.t(), scales.t(), torch.arange(in_features, device=weight.device) // group_size
+
+
+def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, torch.Tensor]:
+    """Round-to-nearest 4-bit GPTQ tensors of a weight [N, K] (see rtn_integers). GPTQ's baseline, and
+    the quantizer of an INT4 embedding table."""
+    return gptq_pack(*rtn_integers(weight, group_size, sym))
 
 
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts

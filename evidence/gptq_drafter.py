@@ -42,6 +42,7 @@ from tqdm import tqdm
 import checkpoint
 import draft_model
 import int4
+import package_manifest
 from evidence import common
 from evidence.gen_data import load_examples
 from evidence.tau import argmax_agreement, tau_from_matches, teacher_forced_argmax
@@ -53,8 +54,6 @@ SEQUENTIAL_GROUPS = (
     ("mlp.gate_proj", "mlp.up_proj"),
     ("mlp.down_proj",),
 )
-BITS = 4
-MAX_Q = 2**BITS - 1
 
 
 @dataclass
@@ -75,8 +74,7 @@ class QuantizedLinear:
 
     def dequantize(self) -> torch.Tensor:
         """W [out, in] = scale * (q - zero) of each column's group (the GPTQ definition)."""
-        groups = self.g_idx
-        return self.scales[groups].t() * (self.int_weight - self.zeros[groups].t()).float()
+        return int4.dequantize(self.int_weight, self.zeros, self.scales, self.g_idx)
 
     def to(self, device: str | torch.device) -> QuantizedLinear:
         return QuantizedLinear(*(t.to(device) for t in (self.int_weight, self.zeros, self.scales, self.g_idx)))
@@ -85,39 +83,9 @@ class QuantizedLinear:
         return int4.gptq_pack(self.int_weight, self.zeros, self.scales, self.g_idx)
 
 
-def group_params(columns: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale [out] and integer zero [out] of a 4-bit grid covering each row of `columns` [out, g].
-
-    The range always includes 0; symmetric grids centre on zero 8 (stored as 7 in GPTQ v1)."""
-    low = columns.min(dim=1).values.clamp(max=0)
-    high = columns.max(dim=1).values.clamp(min=0)
-    if sym:
-        high = torch.maximum(low.abs(), high)
-        low = -high
-    flat = (low == 0) & (high == 0)
-    low, high = torch.where(flat, -1.0, low), torch.where(flat, 1.0, high)
-    scale = ((high - low) / MAX_Q).half().float()  # the stored fp16 scale is what dequantization uses
-    zero = torch.full_like(scale, (MAX_Q + 1) // 2) if sym else torch.round(-low / scale).clamp(0, MAX_Q)
-    return scale, zero.long()
-
-
-def quantize_column(column: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.round(column / scale) + zero, 0, MAX_Q).long()
-
-
 def rtn_quantize(weight: torch.Tensor, settings: QuantSettings) -> QuantizedLinear:
     """Round-to-nearest with the same grids: the baseline GPTQ has to beat."""
-    out_features, in_features = weight.shape
-    groups = in_features // settings.group_size
-    blocks = weight.float().reshape(out_features, groups, settings.group_size)
-    scales, zeros, ints = [], [], []
-    for g in range(groups):
-        scale, zero = group_params(blocks[:, g], settings.sym)
-        ints.append(torch.clamp(torch.round(blocks[:, g] / scale[:, None]) + zero[:, None], 0, MAX_Q).long())
-        scales.append(scale)
-        zeros.append(zero)
-    g_idx = torch.arange(in_features) // settings.group_size
-    return QuantizedLinear(torch.cat(ints, dim=1), torch.stack(zeros), torch.stack(scales), g_idx)
+    return QuantizedLinear(*int4.rtn_integers(weight, settings.group_size, settings.sym))
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, settings: QuantSettings) -> QuantizedLinear:
@@ -146,18 +114,20 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, settings: QuantSe
     if settings.static_groups:  # each original group's grid from the weights before any error feedback
         unpermuted = W[:, torch.argsort(order)]
         for group in range(in_features // size):
-            scales[group], zeros[group] = group_params(unpermuted[:, group * size : (group + 1) * size], settings.sym)
+            scales[group], zeros[group] = int4.group_grid(
+                unpermuted[:, group * size : (group + 1) * size], settings.sym
+            )
     for start in range(0, in_features, size):  # one group per block, so a group's grid sees its current values
         end = start + size
         block = W[:, start:end].clone()  # [out, G]
         errors = torch.zeros_like(block)
         if not settings.static_groups:
-            scales[start // size], zeros[start // size] = group_params(block, settings.sym)
+            scales[start // size], zeros[start // size] = int4.group_grid(block, settings.sym)
         for i in range(size):
             group = original_group[start + i] if settings.static_groups else start // size
             scale, zero = scales[group], zeros[group]
-            q = quantize_column(block[:, i], scale, zero)  # [out]
-            dequantized = scale * (q - zero).float()
+            q = int4.quantize(block[:, i], scale, zero)  # [out]
+            dequantized = scale * (q - zero).float()  # int4.dequantize of this one column
             ints[:, start + i] = q
             error = (block[:, i] - dequantized) / H_inv[start + i, start + i]  # [out]
             block[:, i:] -= error[:, None] * H_inv[start + i, start + i : end][None, :]
@@ -354,6 +324,7 @@ def write_package(
         (staging / checkpoint.PACKAGE_QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
         (staging / checkpoint.PACKAGE_MODEL_CARD).write_text(json.dumps(model_card, indent=2) + "\n")
         save_file(tensors, str(staging / checkpoint.PACKAGE_WEIGHTS), metadata={"format": "pt"})
+        package_manifest.write_manifest(staging)
 
 
 def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_size: int | None) -> dict:
@@ -367,7 +338,7 @@ def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_si
     )
     return embedding | {
         "quant_method": "gptq",
-        "bits": BITS,
+        "bits": 4,
         "group_size": settings.group_size,
         "sym": settings.sym,
         "desc_act": settings.act_order and not settings.static_groups,

@@ -6,6 +6,7 @@ from tiny_models import make_hf_model
 
 import int4
 from evidence.gptq_drafter import (
+    SEQUENTIAL_GROUPS,
     QuantSettings,
     collect_hessians,
     first_layer_inputs,
@@ -105,3 +106,55 @@ def test_symmetric_zero_is_stored_as_seven(activations):
     weight = activations["layer"].self_attn.q_proj.weight.detach()
     packed = gptq_quantize(weight, activations["hessians"]["self_attn.q_proj"], QuantSettings(32, True, False)).pack()
     assert set(int4.unpack_int4(packed["qzeros"], dim=1).unique().tolist()) == {7}
+
+
+def weight_with_awkward_groups(out_features: int = 16, in_features: int = 128, group_size: int = 32) -> torch.Tensor:
+    """A weight whose groups include one all zero (a flat group) and one far below fp16's normal range."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3))
+    weight[:, :group_size] = 0  # flat: every row's first group
+    weight[:, group_size : 2 * group_size] *= 1e-7  # tiny: (max - min) / 15 underflows fp16
+    return weight
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_every_writer_and_the_loader_share_one_grid(sym):
+    """GPTQ, the RTN baseline and the embedding / lm_head quantizer (int4.rtn_quantize) use int4's one grid:
+    with a diagonal Hessian GPTQ has no error to feed forward, so all three write the same tensors; flat
+    and tiny groups get fp16-normal scales and dequantize to (about) the weights, never inf or nan."""
+    weight = weight_with_awkward_groups()
+    settings = QuantSettings(32, sym, act_order=False)
+    gptq = gptq_quantize(weight, torch.eye(weight.shape[1]), settings)
+    rtn = rtn_quantize(weight, settings)
+    written = int4.rtn_quantize(weight, 32, sym=sym)
+    for result in (gptq, rtn):
+        for kind, tensor in result.pack().items():
+            assert torch.equal(tensor, written[kind]), kind
+    loaded = int4.gptq_dequantize(**written)
+    assert torch.equal(loaded, gptq.dequantize()) and torch.isfinite(loaded).all()
+    assert (written["scales"].float() >= int4.MIN_SCALE).all()
+    assert torch.equal(loaded[:, :32], torch.zeros(16, 32))  # the flat group comes back exactly
+    assert (loaded[:, 32:64] - weight[:, 32:64]).abs().max() <= int4.MIN_SCALE  # the tiny one within a step
+    q, zeros = int4.gptq_integers(written["qweight"], written["qzeros"], "gptq")
+    assert torch.equal(int4.dequantize(q.t(), zeros, written["scales"], written["g_idx"]), loaded)
+
+
+def test_a_gptq_package_loads_as_the_weights_gptq_wrote(tmp_path):
+    """The pipeline's writer (gptq_drafter.package_tensors / write_package) and draft_model's loader agree:
+    every projection of a package loads, densely, as exactly the GPTQ weights, flat groups included."""
+    import draft_model
+    from evidence.gptq_drafter import package_tensors, quant_config, write_package
+
+    model = make_hf_model("qwen3", seed=5)
+    quantized = {}
+    for index in range(len(model.model.layers)):
+        for name in (f"model.layers.{index}.{part}" for group in SEQUENTIAL_GROUPS for part in group):
+            weight = model.get_submodule(name).weight.detach().clone()
+            weight[:, :32] = 0  # a flat group in every row
+            quantized[name] = gptq_quantize(weight, torch.eye(weight.shape[1]), QuantSettings(32, True, True))
+    settings = QuantSettings(32, True, True)
+    tensors = package_tensors(model, quantized, torch.float32, embedding=None)
+    write_package(tmp_path / "package", model, tensors, quant_config(settings, 0, None), {"name": "test"})
+    drafter = draft_model.load_model(tmp_path / "package", "cpu", torch.float32, weights="dequant", use_lora=False)
+    state = drafter.hf_state_dict()
+    for name, result in quantized.items():
+        torch.testing.assert_close(state[f"{name}.weight"], result.dequantize(), rtol=0, atol=0)
