@@ -144,7 +144,7 @@ def check_args(args: argparse.Namespace, server_flags: list[str]) -> None:
         raise UsageError(f"--metrics-port {args.metrics_port} clashes with the router's or a replica's port")
     if args.port in ports:
         raise UsageError(
-            f"the router's port {args.port} is among the replica ports {ports[0]}..{ports[-1]}; change the base port"
+            f"the router's port {args.port} is among the replica ports {ports[0]}..{ports[-1]}; change REPLICA_BASE_PORT (--replica-base-port)"
         )
     for flag in server_flags:
         if flag.split("=", 1)[0] in RESERVED_SERVER_FLAGS:
@@ -154,7 +154,9 @@ def check_args(args: argparse.Namespace, server_flags: list[str]) -> None:
             )
     for port in ports:
         if not port_is_free(port):
-            raise UsageError(f"replica port {port} is in use on 127.0.0.1; choose another base port")
+            raise UsageError(
+                f"replica port {port} is in use on 127.0.0.1; choose another first port (REPLICA_BASE_PORT, --replica-base-port)"
+            )
 
 
 def port_is_free(port: int) -> bool:
@@ -240,8 +242,8 @@ def die_with_parent() -> None:
 class Child:
     """One child process; its output is copied to ours, each line prefixed with the child's name."""
 
-    def __init__(self, name: str, command: list[str], environment: dict[str, str]):
-        self.name = name
+    def __init__(self, name: str, command: list[str], environment: dict[str, str], drop_prefix: bytes | None = None):
+        self.name, self.drop_prefix = name, drop_prefix
         self.process = subprocess.Popen(
             command,
             cwd=REPO,
@@ -257,6 +259,8 @@ class Child:
 
     def _copy_output(self) -> None:
         for line in iter(self.process.stdout.readline, b""):
+            if self.drop_prefix and line.startswith(self.drop_prefix):
+                continue
             sys.stdout.write(f"[{self.name}] {line.decode(errors='replace')}")
             sys.stdout.flush()
 
@@ -349,7 +353,9 @@ class Supervisor:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         if not self._wait_until_healthy(urls):
             return self.startup_status
-        self.router = Child("router", router_command(self.router_path, args, urls), {})
+        # vllm-router prints start-up "DEBUG:" lines whatever its log level; they say nothing an operator needs.
+        quiet = None if args.router_log_level == "debug" else b"DEBUG: "
+        self.router = Child("router", router_command(self.router_path, args, urls), {}, drop_prefix=quiet)
         router_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         if not self._wait_until_healthy([router_url], router=True):
             return self.startup_status
