@@ -18,12 +18,22 @@ from pathlib import Path
 
 import torch
 
+import engine
 from checkpoint import DEFAULT_MAX_CONTEXT, LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
-from transformer import FUSED_PROJECTIONS, Concat, ForwardInputs, LoRALinear, ModelConfig, Transformer
+from transformer import FUSED_PROJECTIONS, Concat, LoRALinear, ModelConfig, Transformer
 
-__all__ = ["Draft", "Drafter", "ModelLoadError", "draft_batch", "load_model", "prompt_lookup", "reuse_freed_memory"]
+__all__ = [
+    "Draft",
+    "Drafter",
+    "ModelLoadError",
+    "draft_batch",
+    "load_model",
+    "prompt_lookup",
+    "reuse_freed_memory",
+    "token_ids_problem",
+]
 
 
 def load_model(
@@ -37,6 +47,7 @@ def load_model(
     use_lora: bool = True,
     weights: str = "auto",
     quantize_lm_head: bool = False,
+    verify_integrity: bool = True,
 ) -> "Drafter":
     """Load a model package or a Hugging Face checkpoint directory, strictly (docs/package-format.md).
 
@@ -47,7 +58,8 @@ def load_model(
     slot, default min(max_position_embeddings, 4096). LoRA is merged into dense weights by default
     and always kept as side matmuls beside packed ones (use_lora=False ignores the adapter).
     quantize_lm_head: on the packed path, also round the lm_head to INT4 at load (faster decode
-    steps; measure its effect on tau).
+    steps; measure its effect on tau). verify_integrity: check a package's files against its sha256
+    manifest first (a directory without one loads unverified); False is for development only.
     """
     model_dir = Path(model_dir)
     loaded = load_weights(
@@ -58,6 +70,7 @@ def load_model(
         use_lora=use_lora,
         weights=weights,
         quantize_lm_head=quantize_lm_head,
+        verify_integrity=verify_integrity,
     )
     cfg = loaded.cfg
     context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
@@ -82,9 +95,6 @@ def reuse_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
     return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
-
-
-PREFILL_CHUNK_TOKENS = 2048  # tokens per prefill forward across the batch; bounds the attention scores' memory
 
 
 class Drafter:
@@ -269,24 +279,36 @@ def _per_row(value, n_rows: int, name: str) -> list:
     return values
 
 
+def token_ids_problem(
+    token_ids: Sequence[int], vocab_size: int, max_context: int, vocabulary: str | None = None
+) -> str | None:
+    """Why a drafter with this vocabulary and context cannot take `token_ids` (naming the offending
+    position and the limit), or None. `vocabulary` (the model card's) names the tokenizer, since ids
+    from another tokenizer are the likely cause of an id out of range. The server's 400s are these words."""
+    if not token_ids:
+        return "empty token sequence; send at least one token id"
+    if len(token_ids) > max_context:
+        return f"{len(token_ids)} tokens exceed the context limit of {max_context}"
+    for position, token_id in enumerate(token_ids):
+        if type(token_id) is not int:  # bool is an int subclass, not a token
+            return f"token id {token_id!r} at position {position} is not an int"
+        if not 0 <= token_id < vocab_size:
+            tokenizer = (
+                f" (this drafter reads {vocabulary}; ids from another tokenizer do not fit)" if vocabulary else ""
+            )
+            return (
+                f"token id {token_id} at position {position} is outside the vocabulary 0..{vocab_size - 1}{tokenizer}"
+            )
+    return None
+
+
 def _check_batch(
     drafter: Drafter, rows: list[list[int]], limits: list[int], thresholds: list[float], min_matches: list[int | None]
 ) -> None:
     for i, (row, limit, threshold, min_match) in enumerate(zip(rows, limits, thresholds, min_matches)):
-        if not row:
-            raise ValueError(f"row {i}: empty token sequence; send at least one token id")
-        if len(row) > drafter.max_context:
-            raise ValueError(f"row {i}: {len(row)} tokens exceed the context limit of {drafter.max_context}")
-        not_int = next(
-            (j for j, t in enumerate(row) if type(t) is not int), None
-        )  # bool is an int subclass, not a token
-        if not_int is not None:
-            raise ValueError(f"row {i}: token id {row[not_int]!r} at position {not_int} is not an int")
-        bad = next((j for j, t in enumerate(row) if not 0 <= t < drafter.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"row {i}: token id {row[bad]} at position {bad} is outside the vocabulary 0..{drafter.vocab_size - 1}"
-            )
+        problem = token_ids_problem(row, drafter.vocab_size, drafter.max_context, drafter.model_card.get("vocabulary"))
+        if problem:
+            raise ValueError(f"row {i}: {problem}")
         if not (isinstance(limit, int) and limit >= 0):
             raise ValueError(f"row {i}: max_tokens must be a non-negative integer, got {limit!r}")
         if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
@@ -307,10 +329,11 @@ def _draft_rows(
 ) -> list[Draft]:
     cache = drafter.cache
     slots, reused = cache.assign(rows)
-    # Decode reads every row's slot up to the longest row plus the largest budget, whichever rows those are.
-    cache.clear_garbage(slots, min(max(map(len, rows)) + max(budgets), cache.max_len))
-    first_logits = _prefill(drafter.model, cache, rows, slots, reused)
-    tokens, counts, logprobs = _decode(
+    # Attention reads each slot to the end of the chunk of the last position its row will feed.
+    for slot, row, budget in zip(slots, rows, budgets):
+        cache.clear_garbage([slot], engine.chunk_end(len(row) + budget, cache.max_len))
+    first_logits = engine.prefill(drafter.model, cache, rows, slots, reused)
+    tokens, counts, logprobs = engine.decode(
         drafter.model, cache, first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs
     )
     tokens, counts = tokens.tolist(), counts.tolist()  # the one device -> host transfer of the call
@@ -321,83 +344,3 @@ def _draft_rows(
         cache.commit(slot, row, drafted[:-1])  # every draft token but the last was fed through the model
         drafts.append(Draft(drafted, reused[b], logprobs[b][: counts[b]] if logprobs else None))
     return drafts
-
-
-def _prefill(
-    model: Transformer, cache: KVCache, rows: list[list[int]], slots: list[int], reused: list[int]
-) -> torch.Tensor:
-    """Run each row's uncached suffix through the model, in chunks; the last token's logits (B, vocab)."""
-    device = model.norm.weight.device
-    suffixes = [row[r:] for row, r in zip(rows, reused)]
-    longest = max(len(s) for s in suffixes)
-    chunk = max(1, PREFILL_CHUNK_TOKENS // len(rows))
-    last_hidden = [None] * len(rows)
-    for start in range(0, longest, chunk):
-        width = min(chunk, longest - start)
-        # Rows are right-padded; padding sits at position 0 and writes only to the scratch slot.
-        token_ids, positions, write_slots = [], [], []
-        for suffix, r, slot in zip(suffixes, reused, slots):
-            part = suffix[start : start + width]
-            pad = width - len(part)
-            token_ids.append(part + [0] * pad)
-            positions.append(list(range(r + start, r + start + len(part))) + [0] * pad)
-            write_slots.append([slot] * len(part) + [cache.scratch] * pad)
-        kv_len = max(r + min(len(s), start + width) for s, r in zip(suffixes, reused))
-        # A padding query sees keys of its row's slot under the causal mask too; its output is dropped.
-        causal = start == 0 and not any(reused)
-        at = ForwardInputs(
-            torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), slots, kv_len, causal
-        )
-        hidden = model(torch.tensor(token_ids, device=device), cache, at)  # (B, width, hidden)
-        for b, suffix in enumerate(suffixes):
-            if start <= len(suffix) - 1 < start + width:
-                last_hidden[b] = hidden[b, len(suffix) - 1 - start]
-    return model.logits(torch.stack(last_hidden))
-
-
-def _decode(
-    model: Transformer,
-    cache: KVCache,
-    logits: torch.Tensor,
-    rows: list[list[int]],
-    slots: list[int],
-    budgets: list[int],
-    thresholds: list[float],
-    stop_ids: Sequence[int],
-    want_logprobs: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Greedy decoding of the whole batch, one forward per step; everything stays on the device.
-
-    Returns draft tokens (B, steps), how many of them each row drafted (B,), and their logprobs.
-    """
-    device = logits.device
-    steps = max(max(budgets), 1)
-    lengths = torch.tensor([len(row) for row in rows], device=device)
-    budget = torch.tensor(budgets, device=device)
-    slot_ids = torch.tensor(slots, device=device)
-    stop = torch.tensor(list(stop_ids), device=device, dtype=torch.long)
-    min_confidence = torch.tensor(thresholds, device=device) if any(thresholds) else None
-    tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=device)
-    logprobs = torch.zeros(len(rows), steps, device=device) if want_logprobs else None
-    counts = torch.zeros(len(rows), dtype=torch.long, device=device)
-    alive = budget > 0  # rows still drafting
-    # Every step attends over the same keys, through the last step's: shapes stay static across steps
-    # (what a captured CUDA graph needs), and the keys not yet written are masked and were zeroed.
-    kv_len = min(max(len(row) for row in rows) + steps, cache.max_len)
-    for step in range(steps):
-        token = logits.max(dim=-1).indices  # (B,); the first maximum, as argmax, which is 4x slower on bf16 rows
-        tokens[:, step] = token
-        if want_logprobs:
-            logprobs[:, step] = logits.float().log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
-        counts += alive
-        alive = alive & ~torch.isin(token, stop) & (budget > step + 1)
-        if min_confidence is not None:
-            alive = alive & (logits.float().softmax(dim=-1).amax(dim=-1) >= min_confidence)
-        if step + 1 == steps or not alive.any():
-            break
-        # Feed each live row's new token at the next position; finished rows write to scratch.
-        positions = torch.where(alive, lengths + step, 0)[:, None]
-        write_slots = torch.where(alive, slot_ids, cache.scratch)[:, None]
-        at = ForwardInputs(positions, write_slots, slots, kv_len)
-        logits = model.logits(model(token[:, None], cache, at)[:, -1])
-    return tokens, counts, logprobs

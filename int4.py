@@ -128,10 +128,8 @@ def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, 
 
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts
 INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x slower on these CPUs
-# The kernel is a matrix-vector one: its cost grows with every row (27 ms for 2000 rows of a 512x2048
-# layer, against 2 ms dense in bf16). From this many rows (a prefill), unpacking the layer to bf16 and
-# one dense matmul is faster: unpacking a 3072x1024 layer takes 1.3 ms, what the kernel spends on ~40 rows.
-DENSE_PREFILL_ROWS = 64
+# The kernel is a matrix-vector one: its cost grows with every row, so for a prefill's many rows
+# unpacking the layer to bf16 and one dense matmul is faster (transformer.py decides which rows).
 DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the kernel's 64-row blocks)
 
 
@@ -214,19 +212,32 @@ class Int4Linear(nn.Module):
         weights = torch.addcmul(offsets, q.to(INT4_KERNEL_DTYPE) - 8, scales)
         return weights.reshape(*ids.shape, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.dense_prefill and flat.shape[0] >= DENSE_PREFILL_ROWS:
-            # Unpacked a block of rows at a time, so the temporaries stay small: unpacking a whole fused
-            # 6144x1024 layer at once cost 1.6x more per weight than 3072 rows (fresh pages every call).
+    def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        """x (N, in) -> (N, out): rows 0..dense_rows-1 through the unpacked weight, the rest through the kernel
+        (any leading dimensions are flattened into N).
+
+        Each row's result depends only on the row and on which of the two ways it takes: the kernel and
+        the dense matmul both compute a row independently of how many others share the call."""
+        if not self.dense_prefill:
+            dense_rows = 0
+        leading, x = x.shape[:-1], x.reshape(-1, self.in_features)
+        parts = []
+        if dense_rows:
+            # Unpacked a block of output rows at a time, so the temporaries stay small (a whole fused
+            # layer at once is fresh pages on every call).
             blocks = range(0, self.out_features, DENSE_PREFILL_BLOCK)
-            out = torch.cat(
-                [flat @ self.dense_weight(b, min(b + DENSE_PREFILL_BLOCK, self.out_features)).t() for b in blocks],
-                dim=-1,
+            dense = x[:dense_rows]
+            parts.append(
+                torch.cat(
+                    [dense @ self.dense_weight(b, min(b + DENSE_PREFILL_BLOCK, self.out_features)).t() for b in blocks],
+                    dim=-1,
+                )
             )
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, self.packed_weight, self.group_size, self.scales_and_offsets
+        if dense_rows < x.shape[0]:
+            parts.append(
+                torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x[dense_rows:], self.packed_weight, self.group_size, self.scales_and_offsets
+                )
             )
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*leading, self.out_features)
         return out + self.bias if self.bias is not None else out

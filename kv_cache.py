@@ -7,6 +7,12 @@ prefix is never read.
 
 import torch
 
+# Keys and values are computed CHUNK positions at a time: a complete chunk on the dense-weight path, the
+# positions of a sequence's last, incomplete chunk (and its drafts) on the INT4 kernel. A prefix is
+# reused only where the cached positions took the path this request's own positions would take, so a
+# cached prefix gives bit-identical keys and values to recomputing it.
+CHUNK = 64
+
 
 class KVCache:
     """`num_slots` sequences of up to `max_len` tokens each, plus one scratch slot that absorbs the
@@ -34,22 +40,18 @@ class KVCache:
         self.tokens = torch.full((num_slots, max_len), -1, dtype=torch.long)
         self.lengths = [0] * num_slots
         self.prompt_len = [0] * num_slots  # how many of them a request sent; the rest are the slot's own drafts
+        self.complete = [0] * num_slots  # positions 0..complete-1 were computed as complete chunks
         self.last_used = [0] * num_slots
         self.clock = 0
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots, positions (B, T); k, v (B, T, H_kv, D)."""
+        """slots, positions (N,); k, v (N, H_kv, D)."""
         self.keys[layer][slots, :, positions] = k
         self.values[layer][slots, :, positions] = v
 
-    def read(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, H_kv, kv_len, D) keys and values of `slots`: a view when the slots are consecutive (always
-        at batch size 1), else a gathered copy, which costs a pass over the batch's KV per layer and step."""
-        keys, values = self.keys[layer, :, :, :kv_len], self.values[layer, :, :, :kv_len]
-        if slots == list(range(slots[0], slots[0] + len(slots))):
-            return keys[slots[0] : slots[0] + len(slots)], values[slots[0] : slots[0] + len(slots)]
-        index = torch.tensor(slots, device=keys.device)
-        return keys.index_select(0, index), values.index_select(0, index)
+    def window(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the (H_kv, length, D) keys and values at positions 0..length-1 of `slot`."""
+        return self.keys[layer, slot, :, :length], self.values[layer, slot, :, :length]
 
     def longest_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """(slot, length) of the longest common prefix between `tokens` and any slot; newest slot on ties."""
@@ -73,8 +75,7 @@ class KVCache:
                 f"a batch of {len(batch)} needs at least {2 * len(batch)} cache slots, have {self.num_slots}"
             )
         matches = [self.longest_prefix(row) for row in batch]
-        # At least one token per row must go through the model to produce its next-token logits.
-        reuse = [min(n, len(row) - 1) for row, (_, n) in zip(batch, matches)]
+        reuse = [self.reusable(slot, n, len(row)) for row, (slot, n) in zip(batch, matches)]
         sources = {slot for (slot, _), r in zip(matches, reuse) if r > 0}
         targets: list[int | None] = [None] * len(batch)
         for i, (slot, n) in enumerate(matches):
@@ -83,20 +84,32 @@ class KVCache:
         free = sorted(
             (s for s in range(self.num_slots) if s not in sources and s not in targets), key=lambda s: self.last_used[s]
         )
+        complete = [min(self.complete[slot], r) for (slot, _), r in zip(matches, reuse)]
         for i, (slot, _) in enumerate(matches):
             if targets[i] is None:
                 targets[i] = free.pop(0)
                 if reuse[i] > 0:
                     self.copy_prefix(slot, targets[i], reuse[i])
-        for row, slot, r in zip(batch, targets, reuse):
+        for row, slot, r, c in zip(batch, targets, reuse, complete):
             # Until the forward finishes, only the reused prefix of a target slot is known to be valid.
             self.hold(slot, row[:r], prompt_len=r)
+            self.complete[slot] = c
         return targets, reuse
 
+    def reusable(self, slot: int, matched: int, length: int) -> int:
+        """How many leading tokens of a `length`-token row to take from `slot`, whose tokens match its first
+        `matched`: a whole-chunk prefix, or a prefix through complete chunks computed as such plus cached
+        positions of the row's own last chunk. At least one token is left to produce the next logits."""
+        boundary = length // CHUNK * CHUNK  # this row's positions below it form complete chunks
+        reuse = min(matched, length - 1)
+        if self.complete[slot] != boundary:
+            reuse = min(reuse, self.complete[slot], boundary)
+        return reuse if reuse >= boundary else reuse // CHUNK * CHUNK
+
     def clear_garbage(self, slots: list[int], length: int) -> None:
-        """Zero positions below `length` of `slots` never written before. A shorter row reads past its
-        end up to the batch's longest row; those keys are masked, but a NaN from uninitialised memory
-        would still leak through the attention weights (0 * NaN = NaN)."""
+        """Zero positions below `length` of `slots` never written before. Attention reads to the end of a
+        token's chunk; the keys past the token are masked, but a NaN from uninitialised memory would still
+        leak through the attention weights (0 * NaN = NaN)."""
         for slot in slots:
             if self.zeroed[slot] < length:
                 self.keys[:, slot, :, self.zeroed[slot] : length] = 0
@@ -111,6 +124,7 @@ class KVCache:
     def commit(self, slot: int, prompt: list[int], fed_drafts: list[int]) -> None:
         """Record that `slot` now holds the KV of exactly `prompt` followed by `fed_drafts`."""
         self.hold(slot, prompt + fed_drafts, prompt_len=len(prompt))
+        self.complete[slot] = len(prompt) // CHUNK * CHUNK
         self.clock += 1
         self.last_used[slot] = self.clock
 

@@ -53,18 +53,30 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for the half-split RoPE form. positions (B, T) -> two (B, T, 1, head_dim) tensors."""
+    """cos/sin tables for the half-split RoPE form. positions (N,) -> two (N, 1, head_dim) tensors."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, T, 1, head_dim), broadcast over heads
+    angles = positions.float()[:, None] * inv_freq  # (N, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # (N, 1, head_dim), broadcast over heads
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D): rotate each (i, i + D/2) pair by its position's angle."""
+    """x (N, H, D): rotate each (i, i + D/2) pair by its position's angle."""
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear layers. An INT4 layer has two ways to multiply: unpacked to dense bf16 (fast for many rows)
+# and the kernel (fast for a few); their results differ in the last bits. The caller says which rows
+# take the dense way (`dense_rows`, the first rows of x), so the choice follows each token's place in
+# its own sequence and never the size of the batch it happens to share.
+
+
+def project(layer: nn.Module, x: torch.Tensor, dense_rows: int) -> torch.Tensor:
+    """x (N, in) -> (N, out) through any of the model's linear kinds."""
+    return layer(x) if isinstance(layer, nn.Linear) else layer(x, dense_rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,11 +90,11 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(lora_A.float(), requires_grad=False)  # (r, in), fp32 whatever the model's dtype
         self.lora_B = nn.Parameter(lora_B.float() * scale, requires_grad=False)  # (out, r), the scale folded in
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The side matmuls run in the adapter's fp32: a rank-r bf16 GEMM costs ~7x an fp32 one here
-        # (oneDNN's bf16 set-up dominates such small products), and the adapter was trained in fp32.
+    def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        # The side matmuls run in the adapter's fp32: a rank-r bf16 GEMM pays oneDNN's bf16 set-up,
+        # which dominates such small products, and the adapter was trained in fp32.
         side = F.linear(F.linear(x.float(), self.lora_A), self.lora_B)
-        return self.base(x).add_(side)  # added in fp32, rounded once to the base's dtype
+        return project(self.base, x, dense_rows).add_(side)  # added in fp32, rounded once to the base's dtype
 
     def merge(self) -> nn.Linear:
         """The plain Linear with W + scale * B @ A (computed in fp32, cast to the weight dtype)."""
@@ -111,8 +123,8 @@ class Concat(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([part(x) for part in self.parts], dim=-1)
+    def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        return torch.cat([project(part, x, dense_rows) for part in self.parts], dim=-1)
 
 
 def concat_outputs(parts: list[nn.Module]) -> nn.Module:
@@ -168,17 +180,57 @@ def fuse_projections(model: "Transformer") -> None:
 # Attention, MLP, block, model. Module names mirror transformers', so checkpoint keys map 1:1.
 
 
-@dataclass
-class ForwardInputs:
-    """Where a forward reads and writes the KV cache. T = tokens per row in this forward."""
+CHUNK = 64  # positions per attention chunk; a multiple of the INT4 kernel's 64-row blocks
 
-    positions: torch.Tensor  # (B, T) position of each token in its sequence
-    write_slots: torch.Tensor  # (B, T) cache slot receiving each token's KV (the scratch slot for padding)
-    read_slots: list[int]  # (B,) the slot each row attends over
-    kv_len: int  # keys 0..kv_len-1 of each read slot may be attended (the mask narrows it per row)
-    # Every row's tokens sit at positions 0..T-1 and the keys are exactly theirs (kv_len == T): the
-    # plain causal mask, which attention applies without a mask tensor and skipping the masked blocks.
-    causal: bool = False
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive tokens of one sequence in a forward, attending over their slot's keys 0..window-1.
+
+    The window ends at the end of the CHUNK holding the tokens, whichever call computes them, so a
+    token's attention reads the same number of keys (the later ones masked) alone, in a batch, or after
+    a cached prefix: what makes drafts independent of batch-mates and of the cache.
+    """
+
+    start: int  # tokens start..stop-1 of the forward
+    stop: int
+    slot: int
+    position: int  # the position of token `start` in its sequence
+    window: int
+    complete_chunk: bool  # a whole CHUNK of positions: bf16 attention of many queries, else exact fp32
+
+
+@dataclass
+class Plan:
+    """What one forward computes: N tokens of one or more sequences, flattened in one row each."""
+
+    positions: torch.Tensor  # (N,) each token's position in its sequence
+    write_slots: torch.Tensor  # (N,) the cache slot receiving each token's keys and values
+    segments: list[Segment]
+    dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """q (T, H, D) of one segment; keys, values (H_kv, window, D) of its slot -> (T, H, D).
+
+    Query t sees keys 0..position + t. A complete chunk (many queries) uses the flash kernel in the
+    model's dtype; a few queries (a decode step, a sequence's last chunk) use plain fp32 matmuls, where
+    the flash kernel, built for long queries, costs several times more per query."""
+    T, H, D = q.shape
+    key_positions = torch.arange(segment.window, device=q.device)
+    query_positions = torch.arange(segment.position, segment.position + T, device=q.device)
+    visible = key_positions[None, :] <= query_positions[:, None]  # (T, window)
+    if segment.complete_chunk:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=visible, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
+    H_kv = keys.shape[0]
+    grouped = q.float().view(T, H_kv, H // H_kv, D).permute(1, 0, 2, 3).reshape(H_kv, -1, D)  # (H_kv, T*g, D)
+    scores = grouped @ keys.float().transpose(1, 2) * D**-0.5  # (H_kv, T*g, window)
+    scores.masked_fill_(~visible.repeat_interleave(H // H_kv, dim=0), float("-inf"))
+    out = scores.softmax(dim=-1) @ values.float()  # (H_kv, T*g, D)
+    return out.view(H_kv, T, H // H_kv, D).permute(1, 0, 2, 3).reshape(T, H, D).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -196,19 +248,19 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: "KVCache", layer: int, at: ForwardInputs) -> torch.Tensor:
-        B, T, _ = x.shape
-        heads = self.qkv_proj(x).view(B, T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan) -> torch.Tensor:
+        N, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        heads = project(self.qkv_proj, x, plan.dense_rows).view(N, H + 2 * H_kv, D)
+        q, k, v = heads.split([H, H_kv, H_kv], dim=1)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, at.write_slots, at.positions, k, v)
-        keys, values = cache.read(layer, at.read_slots, at.kv_len)  # (B, H_kv, kv_len, D)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        cache.write(layer, plan.write_slots, plan.positions, k, v)
+        out = torch.empty_like(q)
+        for segment in plan.segments:
+            keys, values = cache.window(layer, segment.slot, segment.window)  # (H_kv, window, D)
+            out[segment.start : segment.stop] = attend(q[segment.start : segment.stop], keys, values, segment)
+        return project(self.o_proj, out.view(N, H * D), plan.dense_rows)
 
 
 class MLP(nn.Module):
@@ -220,9 +272,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, dense_rows: int) -> torch.Tensor:
+        gate, up = project(self.gate_up_proj, x, dense_rows).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up, dense_rows)
 
 
 class Block(nn.Module):
@@ -233,9 +285,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache: "KVCache", layer: int, at: ForwardInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, at)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, plan)
+        return x + self.mlp(self.post_attention_layernorm(x), plan.dense_rows)
 
 
 class Transformer(nn.Module):
@@ -252,20 +304,18 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids (B, T) -> (B, T, hidden); without a table of its own, the rows of the INT4 lm_head."""
+        """token_ids (N,) -> (N, hidden); without a table of its own, the rows of the INT4 lm_head."""
         return self.embed_tokens(token_ids) if self.embed_tokens is not None else self.lm_head.rows(token_ids)
 
-    def forward(self, token_ids: torch.Tensor, cache: "KVCache", at: ForwardInputs) -> torch.Tensor:
-        """token_ids (B, T) -> final hidden states (B, T, hidden); KV written to the cache on the way."""
+    def forward(self, token_ids: torch.Tensor, cache: KVCache, plan: Plan) -> torch.Tensor:
+        """token_ids (N,) -> final hidden states (N, hidden); keys and values written to the cache on the way."""
         x = self.embed(token_ids)
-        cos, sin = rope_cos_sin(at.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        # A query sees every key at or before its own position in its row's slot: (B, 1, T, kv_len).
-        key_positions = torch.arange(at.kv_len, device=token_ids.device)
-        mask = None if at.causal else (key_positions[None, None, :] <= at.positions[:, :, None])[:, None]
+        cos, sin = rope_cos_sin(plan.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, cache, i, at)
+            x = block(x, cos, sin, cache, i, plan)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """In the model's dtype: argmax needs no fp32 copy of a 150k-wide row; probabilities take one."""
-        return self.lm_head(hidden)
+        """(N, hidden) -> (N, vocab) in the model's dtype: argmax needs no fp32 copy of a 150k-wide row;
+        probabilities take one. An INT4 head always runs on the kernel, whose rows do not depend on N."""
+        return project(self.lm_head, hidden, dense_rows=0)

@@ -11,6 +11,7 @@ from tiny_models import make_hf_model, write_hf_checkpoint
 
 import checkpoint
 import draft_model
+import engine
 import int4
 import transformer
 
@@ -38,17 +39,21 @@ FORWARD_CASES = [
 
 def forward_all(drafter: draft_model.Drafter, tokens: list[int]) -> torch.Tensor:
     """Our logits for every position of one sequence in one forward through cache slot 0: (T, vocab)."""
-    T = len(tokens)
-    at = transformer.ForwardInputs(torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long), [0], T)
-    return drafter.model.logits(drafter.model(torch.tensor([tokens]), drafter.cache, at))[0]
+    drafter.cache.clear_garbage([0], drafter.max_context)
+    pieces = engine.prefill_pieces([len(tokens)], reused=[0])  # one row: its tokens stay in order
+    plan = engine.plan_for(pieces, slots=[0], max_len=drafter.max_context, device=torch.device("cpu"))
+    return drafter.model.logits(drafter.model(torch.tensor(tokens), drafter.cache, plan))
 
 
 def forward_stepwise(drafter: draft_model.Drafter, tokens: list[int]) -> torch.Tensor:
     """Our logits fed one token at a time, each step reading the KV cached by the previous ones: (T, vocab)."""
     logits = []
+    drafter.cache.clear_garbage([0], drafter.max_context)
     for t, token in enumerate(tokens):
-        at = transformer.ForwardInputs(torch.tensor([[t]]), torch.zeros(1, 1, dtype=torch.long), [0], t + 1)
-        logits.append(drafter.model.logits(drafter.model(torch.tensor([[token]]), drafter.cache, at))[0, 0])
+        plan = engine.decode_plan(
+            [0], rows=[[]], slots=[0], step=t, max_len=drafter.max_context, device=torch.device("cpu")
+        )
+        logits.append(drafter.model.logits(drafter.model(torch.tensor([token]), drafter.cache, plan))[0])
     return torch.stack(logits)
 
 
@@ -154,9 +159,9 @@ def test_prefix_cache_reuse_is_exact_and_counted(qwen3):
     # The same request again reuses all but its last token; a shared prefix is copied, not clobbered.
     again = draft_model.draft_batch(drafter, [follow_up], max_tokens=16)[0]
     assert again == warm and again.cached_tokens == len(follow_up) - 1
-    branch = prompt[:60] + [9, 9, 9]
+    branch = prompt[:100] + [9, 9, 9]
     branched = draft_model.draft_batch(drafter, [branch], max_tokens=16)[0]
-    assert branched.cached_tokens == 60 and branched == reference_greedy(hf_model, branch, 16)
+    assert branched.cached_tokens == 100 and branched == reference_greedy(hf_model, branch, 16)
     assert draft_model.draft_batch(drafter, [follow_up + [3]], max_tokens=16)[0].cached_tokens == len(follow_up)
 
 
@@ -499,9 +504,10 @@ def test_long_prefills_unpack_the_int4_layer_to_the_same_weights():
     layer = int4.Int4Linear(in_features, out_features, group_size, bias=False)
     layer.load_state_dict(int4.Int4Linear.pack_gptq(**gptq, checkpoint_format="gptq"), assign=True)
     assert layer.dense_prefill
-    rows = torch.randn(int4.DENSE_PREFILL_ROWS, in_features, generator=generator).bfloat16()
+    rows = torch.randn(64, in_features, generator=generator).bfloat16()
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.packed_weight, group_size, layer.scales_and_offsets)
-    dense = layer(rows)  # enough rows to take the unpacked path
+    assert torch.equal(layer(rows), kernel)
+    dense = layer(rows, dense_rows=len(rows))
     assert (dense.float() - kernel.float()).abs().max() / kernel.float().abs().max() < 1e-2
     expected = int4.gptq_dequantize(**gptq)
     assert (layer.dense_weight().float() - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 scales
@@ -560,12 +566,12 @@ def test_fused_projections_compute_what_their_parts_do():
     )
     fused = transformer.concat_outputs(parts)
     assert isinstance(fused, transformer.LoRALinear) and isinstance(fused.base, int4.Int4Linear)
-    for rows in (1, int4.DENSE_PREFILL_ROWS):  # the kernel's path and the unpacked one
-        x = torch.randn(rows, in_features, generator=generator).bfloat16()
-        expected = torch.cat([part(x) for part in parts], dim=-1)
-        torch.testing.assert_close(fused(x), expected, rtol=1e-2, atol=1e-2)  # bf16 outputs, fp32 side matmuls
+    x = torch.randn(64, in_features, generator=generator).bfloat16()
+    for dense_rows in (0, 64):  # the kernel's path and the unpacked one
+        expected = torch.cat([part(x, dense_rows) for part in parts], dim=-1)
+        torch.testing.assert_close(fused(x, dense_rows), expected, rtol=1e-2, atol=1e-2)  # fp32 side matmuls
         unadapted = slice(128, 192)
-        assert torch.equal(fused(x)[:, unadapted], parts[1](x))  # its block of B is empty: exactly the base
+        assert torch.equal(fused(x, dense_rows)[:, unadapted], parts[1](x, dense_rows))  # an empty block of B
     dense = [torch.nn.Linear(in_features, n, bias=True) for n in (96, 32)]
     fused_dense = transformer.concat_outputs(dense)
     assert isinstance(fused_dense, torch.nn.Linear)
