@@ -25,6 +25,7 @@ from int4 import (
     kernel_layout_is_known,
     rtn_quantize,
 )
+from package_manifest import ManifestMismatch, verify_manifest
 from transformer import LoRALinear, ModelConfig, Transformer, fuse_projections
 
 log = logging.getLogger(__name__)
@@ -86,18 +87,6 @@ def model_config(hf: dict, generation_config: dict | None = None) -> ModelConfig
         o_bias=architecture != "qwen2" and attention_bias,
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),  # union, order kept, no repeats
     )
-
-
-def _require(raw: dict, keys: tuple[str, ...], source) -> None:
-    missing = [key for key in keys if key not in raw]
-    if missing:
-        raise ModelLoadError(f"{source}: missing field {missing[0]!r} (required: {', '.join(keys)})")
-
-
-def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, int) else tuple(value)
 
 
 def _require(raw: dict, keys: tuple[str, ...], source) -> None:
@@ -445,7 +434,7 @@ DTYPES = {
 WEIGHT_PATHS = ("auto", "packed", "dequant")
 
 
-def _resolve_runtime(
+def resolve_runtime(
     device: str | torch.device | None, dtype: str | torch.dtype | None, weights: str, quant: QuantConfig | None
 ) -> tuple[torch.device, torch.dtype, bool]:
     """(device, dtype, packed): the fastest path that keeps its promises, unless the caller chose.
@@ -493,6 +482,53 @@ class LoadedWeights:
     model_card: dict
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a model directory holds, read from its JSON files alone: the config, the quantization, the
+    weight files."""
+
+    cfg: ModelConfig
+    quant: QuantConfig | None
+    weight_files: list[Path]
+
+    def weight_bytes(self, itemsize: int, packed: bool) -> int:
+        """About how many bytes the built model holds: the files' size on the packed path (INT4 stays
+        4-bit), else every weight in the compute dtype. Reads only the safetensors headers."""
+        if packed:
+            return sum(path.stat().st_size for path in self.weight_files)
+        weights = 0
+        for path in self.weight_files:
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    for name in handle.keys():
+                        size = math.prod(handle.get_slice(name).get_shape())
+                        if name.endswith(".qweight"):
+                            weights += size * NIBBLES_PER_INT32
+                        elif not name.endswith((".qzeros", ".scales", ".g_idx")):  # folded into the dense weight
+                            weights += size
+            except SafetensorError as error:
+                raise ModelLoadError(f"{path}: not a readable safetensors file ({error})") from None
+        return weights * itemsize
+
+
+def read_layout(model_dir: Path) -> Layout:
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(
+            f"{model_dir}: no config.json; expected a model package or a Hugging Face checkpoint directory"
+        )
+    hf_config = _read_json(model_dir / "config.json")
+    generation_path = model_dir / "generation_config.json"
+    cfg = model_config(hf_config, _read_json(generation_path) if generation_path.exists() else None)
+    if (model_dir / PACKAGE_WEIGHTS).exists():
+        quant_path = model_dir / PACKAGE_QUANT_CONFIG
+        if not quant_path.exists():
+            raise ModelLoadError(f"{model_dir}: has {PACKAGE_WEIGHTS} but no {PACKAGE_QUANT_CONFIG}")
+        return Layout(cfg, QuantConfig.from_dict(_read_json(quant_path), quant_path), [model_dir / PACKAGE_WEIGHTS])
+    raw_quant = hf_config.get("quantization_config")
+    quant = QuantConfig.from_dict(raw_quant, model_dir / "config.json") if raw_quant else None
+    return Layout(cfg, quant, _weight_files(model_dir))
+
+
 def load_weights(
     model_dir: Path,
     device: str | torch.device | None,
@@ -502,29 +538,22 @@ def load_weights(
     use_lora: bool,
     weights: str,
     quantize_lm_head: bool,
+    verify_integrity: bool = True,
 ) -> LoadedWeights:
     """Read, check and build the model of a package or Hugging Face checkpoint (draft_model.load_model
-    documents the options); q/k/v and gate/up end fused."""
-    if not (model_dir / "config.json").is_file():
-        raise ModelLoadError(
-            f"{model_dir}: no config.json; expected a model package or a Hugging Face checkpoint directory"
-        )
-    hf_config = _read_json(model_dir / "config.json")
-    generation_path = model_dir / "generation_config.json"
-    cfg = model_config(hf_config, _read_json(generation_path) if generation_path.exists() else None)
+    documents the options); q/k/v and gate/up end fused. A package's files are first checked against
+    its sha256 manifest unless verify_integrity is False (development only)."""
+    if verify_integrity and (model_dir / "config.json").is_file():
+        try:
+            verified = verify_manifest(model_dir)
+        except ManifestMismatch as error:
+            raise ModelLoadError(str(error)) from None
+        if not verified:
+            log.info("%s has no sha256 manifest: its files are loaded unverified", model_dir)
+    layout = read_layout(model_dir)
+    cfg, quant, files = layout.cfg, layout.quant, layout.weight_files
 
-    is_package = (model_dir / PACKAGE_WEIGHTS).exists()
-    if is_package:
-        quant_path = model_dir / PACKAGE_QUANT_CONFIG
-        if not quant_path.exists():
-            raise ModelLoadError(f"{model_dir}: has {PACKAGE_WEIGHTS} but no {PACKAGE_QUANT_CONFIG}")
-        quant, files = QuantConfig.from_dict(_read_json(quant_path), quant_path), [model_dir / PACKAGE_WEIGHTS]
-    else:
-        raw_quant = hf_config.get("quantization_config")
-        quant = QuantConfig.from_dict(raw_quant, model_dir / "config.json") if raw_quant else None
-        files = _weight_files(model_dir)
-
-    device, dtype, packed = _resolve_runtime(device, dtype, weights, quant)
+    device, dtype, packed = resolve_runtime(device, dtype, weights, quant)
     tensors, origin = _read_safetensors(files)
     _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
     state, int4_layers, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed)

@@ -13,7 +13,8 @@
 #   CACHE_SLOTS -> --cache-slots   MAX_CONTEXT -> --max-context
 #   DEVICE -> --device   DTYPE -> --dtype   WEIGHTS -> --weights   THREADS -> --threads
 #   API_KEY_FILE -> --api-key-file   MAX_BODY_BYTES -> --max-body-bytes   LOG_LEVEL -> --log-level
-#   ACCESS_LOG=1 -> --access-log
+#   QUEUE_DEADLINE_S -> --queue-deadline-s   DRAIN_SECONDS -> --drain-seconds
+#   ACCESS_LOG=1 -> --access-log   SKIP_INTEGRITY_CHECK=1 -> --skip-integrity-check (development only)
 #
 # Scaling out (docs/scaling.md); either variable installs the 'scale' extra (vllm-router) on first use:
 #   REPLICAS=N          N servers on 127.0.0.1:REPLICA_BASE_PORT.. (default PORT+1..) and, on HOST:PORT, vllm-router
@@ -75,7 +76,10 @@ add_flag --threads "${THREADS:-}"
 add_flag --api-key-file "${API_KEY_FILE:-}"
 add_flag --max-body-bytes "${MAX_BODY_BYTES:-}"
 add_flag --log-level "${LOG_LEVEL:-}"
+add_flag --queue-deadline-s "${QUEUE_DEADLINE_S:-}"
+add_flag --drain-seconds "${DRAIN_SECONDS:-}"
 if [[ "${ACCESS_LOG:-0}" == 1 ]]; then args+=(--access-log); fi
+if [[ "${SKIP_INTEGRITY_CHECK:-0}" == 1 ]]; then args+=(--skip-integrity-check); fi
 
 if [[ $scale_out == 1 ]]; then
     exec "$repo/.venv/bin/python" "$repo/scripts/replicas.py" --replicas "$REPLICAS" "${router[@]}" -- "${args[@]}" "$@"

@@ -43,6 +43,7 @@ import checkpoint
 import draft_model
 import int4
 import package_manifest
+import package_manifest
 from evidence import common
 from evidence.gen_data import load_examples
 from evidence.tau import argmax_agreement, tau_from_matches, teacher_forced_argmax
@@ -324,6 +325,7 @@ def write_package(
         (staging / checkpoint.PACKAGE_QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
         (staging / checkpoint.PACKAGE_MODEL_CARD).write_text(json.dumps(model_card, indent=2) + "\n")
         save_file(tensors, str(staging / checkpoint.PACKAGE_WEIGHTS), metadata={"format": "pt"})
+        package_manifest.write_manifest(staging)
         package_manifest.write_manifest(staging)
 
 

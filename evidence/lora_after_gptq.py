@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import checkpoint
+import package_manifest
 from evidence import common
 from evidence.gen_data import load_examples
 from evidence.gptq_drafter import dequantized_model
@@ -56,6 +57,7 @@ def write_adapter(peft_model: torch.nn.Module, package_dir: Path, base_name: str
         common.atomic_write_json(package_dir / checkpoint.PACKAGE_LORA_CONFIG, config)
         with common.atomic_path(package_dir / checkpoint.PACKAGE_LORA_WEIGHTS) as temporary:
             shutil.copyfile(Path(staging) / "adapter_model.safetensors", temporary)
+    package_manifest.write_manifest(package_dir)  # the package's sha256 manifest now covers the adapter too
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

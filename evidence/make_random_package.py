@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # draft_model lives at the repo root
 import draft_model  # noqa: E402
 import int4  # noqa: E402
+import package_manifest  # noqa: E402
 
 PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -190,6 +191,7 @@ def write_package(directory: Path, args: argparse.Namespace, command: str) -> No
             "seed": args.seed,
         },
     )
+    package_manifest.write_manifest(directory)  # last: it covers every file above
 
 
 def check_package(directory: Path) -> None:

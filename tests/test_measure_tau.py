@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from live_server import start_server, stop_server
 from pipeline_fixtures import perturbed_copy, write_tokenizer
-from test_server import one_torch_thread, start_server, stop_server  # noqa: F401 (an autouse fixture: the cores are shared)
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 from evidence import measure_tau
@@ -20,6 +20,8 @@ from evidence.tau import offline_tau
 
 K = 6
 MAX_NEW_TOKENS = 24
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the cores are shared with the servers under test
+
 PROMPTS = [[5 + i, 17 * i % 250 + 3, 40 + 3 * i, 9, 5 + i, 17 * i % 250 + 3] for i in range(4)]
 
 

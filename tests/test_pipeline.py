@@ -113,6 +113,7 @@ def test_end_to_end_package_loads_strictly_and_drafts(pipeline_run):
             "model_card.json",
             "lora.safetensors",
             "lora_config.json",
+            "checksums.json",
         ]
     )
     drafter = draft_model.load_model(out, device="cpu", dtype=torch.float32)

@@ -5,89 +5,24 @@ sequence at a time, so a test fails if batching, queueing or prefix reuse ever c
 """
 
 import asyncio
-import hashlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file
+from live_server import RunningServer, metric_samples, prompt, start_server, stop_server
 
 import draft_model
-import server
-from evidence import make_random_package
+from batcher import Batcher, DraftFailed, Unavailable
+from http_guards import Metrics
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 API_KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY_BYTES = 65536
-STARTUP_TIMEOUT_S = 90
-
-
-@dataclass
-class RunningServer:
-    process: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(repo_root: Path, model_dir: Path, log_path: Path, *flags: str) -> RunningServer:
-    """Start server.py and wait until /health answers; fail with its log if it never does."""
-    port = free_port()
-    # One thread: the suite shares 2 cores with other test processes, and oversubscribed torch threads crawl.
-    command = [sys.executable, str(repo_root / "server.py"), "--model-dir", str(model_dir), "--port", str(port)]
-    command += ["--threads", "1", *flags]
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=repo_root)
-    running = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode} during startup:\n{running.log()}")
-        try:
-            if httpx.get(running.url + "/health", timeout=1).status_code == 200:
-                return running
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    pytest.fail(f"server did not answer /health within {STARTUP_TIMEOUT_S} s:\n{running.log()}")
-
-
-def stop_server(running: RunningServer) -> None:
-    if running.process.poll() is None:
-        running.process.send_signal(signal.SIGTERM)
-        try:
-            running.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            running.process.kill()
-            running.process.wait()
-
-
-def metric_samples(metrics_text: str) -> dict[tuple[str, tuple], float]:
-    """Prometheus text -> {(sample name, sorted labels): value}."""
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(metrics_text)
-        for sample in family.samples
-    }
 
 
 def batch_size_counts(client: httpx.Client) -> tuple[float, float]:
@@ -96,31 +31,7 @@ def batch_size_counts(client: httpx.Client) -> tuple[float, float]:
     return samples[("draft_server_batch_size_count", ())], samples[("draft_server_batch_size_bucket", (("le", "1.0"),))]
 
 
-def prompt(length: int, seed: int, vocab_size: int = 256) -> list[int]:
-    return [(seed * 7919 + i * 104729) % vocab_size for i in range(length)]
-
-
 # ----------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Leave the cores to the servers under test; restore afterwards for other modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoint: Path):
-    """The same weights in this process: expected(tokens, max_tokens) is the draft of that sequence alone."""
-    drafter = draft_model.load_model(tiny_checkpoint, cache_slots=2)  # the server's defaults
-
-    def expected(tokens: list[int], max_tokens: int = 16, return_logprobs: bool = False) -> draft_model.Draft:
-        return draft_model.draft_batch(drafter, [tokens], max_tokens=max_tokens, return_logprobs=return_logprobs)[0]
-
-    return expected
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +81,8 @@ def assert_serves_correct_drafts(client: httpx.Client, reference) -> None:
 def test_health_describes_model_and_limits(live: RunningServer):
     health = httpx.get(live.url + "/health", timeout=10).json()  # no API key: /health stays open
     assert health["status"] == "ok"
+    assert health["pid"] == live.process.pid
+    assert health["replica"] == live.url.removeprefix("http://")
     assert health["model"]["architecture"] == "qwen3"
     assert health["model"]["vocab_size"] == 256
     assert health["limits"]["max_context"] == 512
@@ -295,10 +208,13 @@ BAD_REQUESTS = [
         ["Content-Type: application/json"],
     ),
     ("empty token_ids", '{"token_ids": []}', {}, 400, ["empty"]),
-    ("id = vocab_size", '{"token_ids": [5, 256]}', {}, 400, ["token_ids[1] = 256", "0..255"]),
-    ("negative id", '{"token_ids": [-1, 5]}', {}, 400, ["token_ids[0] = -1", "0..255"]),
-    ("huge id", '{"token_ids": [1, 2, 99999999999999999999]}', {}, 400, ["token_ids[2]", "0..255"]),
-    ("longer than context", TOO_LONG, {}, 400, ["513 tokens", "context limit is 512"]),
+    ("id = vocab_size", '{"token_ids": [5, 256]}', {}, 400, ["token id 256 at position 1", "0..255"]),
+    ("negative id", '{"token_ids": [-1, 5]}', {}, 400, ["token id -1 at position 0", "0..255"]),
+    ("huge id", '{"token_ids": [1, 2, 99999999999999999999]}', {}, 400, ["at position 2", "0..255"]),
+    ("longer than context", TOO_LONG, {}, 400, ["513 tokens", "context limit of 512", '"truncate": true']),
+    ("truncate not a bool", '{"token_ids": [1], "truncate": 1}', {}, 422, ["truncate"]),
+    ("min_confidence a bool", '{"token_ids": [1], "min_confidence": false}', {}, 422, ["min_confidence"]),
+    ("session_id a number", '{"token_ids": [1], "session_id": 7}', {}, 422, ["session_id"]),
     ("body over limit", json.dumps({"token_ids": [1] * 30000}), {}, 413, ["65536"]),
     ("missing API key", '{"token_ids": [1]}', {"Authorization": ""}, 401, ["missing Authorization", "Bearer"]),
     ("wrong API key", '{"token_ids": [1]}', {"Authorization": "Bearer nope"}, 401, ["invalid API key"]),
@@ -320,15 +236,19 @@ def test_bad_request_gets_clear_error_and_changes_nothing(live, client, referenc
     for word in words:
         assert word in detail
     assert "Traceback" not in detail
+    assert response.headers["x-draft-replica"] == live.url.removeprefix("http://")  # refusals name the replica too
     if status == 401:
         assert response.headers["www-authenticate"] == "Bearer"
     assert_serves_correct_drafts(client, reference)
 
 
 def test_out_of_vocabulary_ids_name_the_drafters_tokenizer():
-    problem = server.token_ids_problem([1, 151644], 49152, 4096, "SmolLM2 token ids (vocab_size 49152)")
-    assert "token_ids[1] = 151644" in problem and "0..49151" in problem and "SmolLM2 token ids" in problem
-    assert server.token_ids_problem([1, 151644], 151936, 4096, "SmolLM2 token ids") is None
+    vocabulary = "SmolLM2 token ids (vocab_size 49152)"
+    problem = draft_model.token_ids_problem([1, 151644], vocab_size=49152, max_context=4096, vocabulary=vocabulary)
+    assert "token id 151644 at position 1" in problem and "0..49151" in problem and vocabulary in problem
+    assert (
+        draft_model.token_ids_problem([1, 151644], vocab_size=151936, max_context=4096, vocabulary=vocabulary) is None
+    )
 
 
 def test_chunked_body_over_limit_is_413(client: httpx.Client, reference):
@@ -381,37 +301,32 @@ def test_disconnecting_clients_do_not_break_their_batch(client: httpx.Client, li
     assert_serves_correct_drafts(client, reference)
 
 
-def test_clients_that_hang_up_while_queued_are_not_drafted(repo_root, tiny_checkpoint, reference, tmp_path):
+def test_clients_that_hang_up_while_queued_are_not_drafted(server, tiny_checkpoint, reference):
     """Behind four one-at-a-time 64-token drafts, a client that gives up after 20 ms is still queued."""
-    running = start_server(
-        repo_root, tiny_checkpoint, tmp_path / "server.log", "--max-batch-size", "1", "--max-wait-ms", "0"
-    )
-    try:
-        patient_requests = [(prompt(300, seed=700 + i), 64) for i in range(4)]
+    running = server(tiny_checkpoint, "--max-batch-size", "1", "--max-wait-ms", "0")
+    patient_requests = [(prompt(300, seed=700 + i), 64) for i in range(4)]
 
-        async def send() -> list:
-            async with (
-                httpx.AsyncClient(base_url=running.url, timeout=120) as patient,
-                httpx.AsyncClient(base_url=running.url, timeout=0.02) as impatient,
-            ):
-                kept = [
-                    asyncio.create_task(patient.post("/draft", json={"token_ids": t, "max_tokens": n}))
-                    for t, n in patient_requests
-                ]
-                await asyncio.sleep(0.005)  # the impatient ones queue behind the patient ones
-                dropped = [impatient.post("/draft", json={"token_ids": prompt(50, seed=800 + i)}) for i in range(3)]
-                return await asyncio.gather(*kept, *dropped, return_exceptions=True)
+    async def send() -> list:
+        async with (
+            httpx.AsyncClient(base_url=running.url, timeout=120) as patient,
+            httpx.AsyncClient(base_url=running.url, timeout=0.02) as impatient,
+        ):
+            kept = [
+                asyncio.create_task(patient.post("/draft", json={"token_ids": t, "max_tokens": n}))
+                for t, n in patient_requests
+            ]
+            await asyncio.sleep(0.005)  # the impatient ones queue behind the patient ones
+            dropped = [impatient.post("/draft", json={"token_ids": prompt(50, seed=800 + i)}) for i in range(3)]
+            return await asyncio.gather(*kept, *dropped, return_exceptions=True)
 
-        results = asyncio.run(send())
-        for (tokens, max_tokens), response in zip(patient_requests, results[:4], strict=True):
-            assert response.json()["draft_token_ids"] == reference(tokens, max_tokens)
-        assert all(isinstance(r, httpx.TimeoutException) for r in results[4:])
-        with httpx.Client(base_url=running.url, timeout=30) as client:
-            samples = metric_samples(client.get("/metrics").text)
-        assert samples[("draft_server_requests_total", (("endpoint", "/draft"), ("status", "499")))] == 3
-        assert samples[("draft_server_batch_size_count", ())] == 4, "only the patient requests were drafted"
-    finally:
-        stop_server(running)
+    results = asyncio.run(send())
+    for (tokens, max_tokens), response in zip(patient_requests, results[:4], strict=True):
+        assert response.json()["draft_token_ids"] == reference(tokens, max_tokens)
+    assert all(isinstance(r, httpx.TimeoutException) for r in results[4:])
+    with httpx.Client(base_url=running.url, timeout=30) as client:
+        samples = metric_samples(client.get("/metrics").text)
+    assert samples[("draft_server_requests_total", (("endpoint", "/draft"), ("status", "499")))] == 3
+    assert samples[("draft_server_batch_size_count", ())] == 4, "only the patient requests were drafted"
 
 
 def test_metrics_count_requests_by_status_and_cached_tokens(client: httpx.Client):
@@ -501,218 +416,89 @@ def test_sigterm_under_load_finishes_queued_requests_and_exits_0(repo_root, tiny
 # ----------------------------------------------------------------------------- batcher in-process
 
 
-def in_process_drafting(model_dir: Path) -> server.DraftFn:
-    """The draft function the server's batcher calls, on an fp32 drafter in this process."""
+def in_process_batcher(model_dir: Path, **limits) -> Batcher:
+    """The server's batcher around an fp32 drafter in this process (call inside a running event loop)."""
     drafter = draft_model.load_model(model_dir, "cpu", "float32", cache_slots=8)
-    return lambda batch, max_tokens, min_confidence, lookup_min_match, return_logprobs: draft_model.draft_batch(
-        drafter, batch, max_tokens, return_logprobs, min_confidence=min_confidence, lookup_min_match=lookup_min_match
+
+    def draft_fn(batch, max_tokens, min_confidence, lookup_min_match, return_logprobs):
+        return draft_model.draft_batch(
+            drafter,
+            batch,
+            max_tokens,
+            return_logprobs,
+            min_confidence=min_confidence,
+            lookup_min_match=lookup_min_match,
+        )
+
+    settings = {"max_wait_ms": 20, "max_queue": 16, "queue_deadline_s": 60} | limits
+    return Batcher(draft_fn, metrics=Metrics(settings["max_batch_size"]), **settings)
+
+
+def submit(batcher: Batcher, token_ids: list[int], max_tokens: int):
+    return batcher.submit(
+        token_ids, max_tokens=max_tokens, min_confidence=0.0, lookup_min_match=0, return_logprobs=False
     )
 
 
 def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, reference):
     """An exception inside draft_batch (here: an id the HTTP layer would have refused) fails that batch only."""
-    draft_fn = in_process_drafting(tiny_checkpoint)
 
     async def scenario():
-        batcher = server.Batcher(draft_fn, max_batch_size=4, max_wait_ms=50, max_queue=8, metrics=server.Metrics(4))
+        batcher = in_process_batcher(tiny_checkpoint, max_batch_size=4, max_wait_ms=50)
         batcher.start()
-        poisoned = [batcher.submit([1, 2, 999], 4, 0.0, 0, False), batcher.submit([1, 2, 3], 4, 0.0, 0, False)]
-        failures = await asyncio.gather(*poisoned, return_exceptions=True)
-        healthy = await batcher.submit([1, 2, 3], 4, 0.0, 0, False)
+        poisoned = [submit(batcher, [1, 2, 999], max_tokens=4), submit(batcher, [1, 2, 3], max_tokens=4)]
+        failures = await asyncio.gather(*(batcher.wait(pending) for pending in poisoned), return_exceptions=True)
+        healthy = await batcher.wait(submit(batcher, [1, 2, 3], max_tokens=4))
         await batcher.stop()
         return failures, healthy, batcher.metrics
 
     failures, healthy, metrics = asyncio.run(scenario())
     for failure in failures:
-        assert isinstance(failure, server.DraftFailed)
+        assert isinstance(failure, DraftFailed)
         assert "999" in str(failure) and "vocabulary" in str(failure)
     assert healthy == reference([1, 2, 3], 4)
     assert metrics.registry.get_sample_value("draft_server_failed_batches_total") == 1
 
 
 def test_cancelled_requests_are_skipped_and_stop_drains_the_queue(tiny_checkpoint: Path, reference):
-    draft_fn = in_process_drafting(tiny_checkpoint)
-
     async def scenario():
-        batcher = server.Batcher(draft_fn, max_batch_size=2, max_wait_ms=20, max_queue=16, metrics=server.Metrics(2))
+        batcher = in_process_batcher(tiny_checkpoint, max_batch_size=2)
         batcher.start()
-        futures = [batcher.submit(prompt(30, seed=i), 8, 0.0, 0, False) for i in range(9)]
-        futures[1].cancel()  # a client that hung up while its request was queued
-        futures[4].cancel()
+        queued = [submit(batcher, prompt(30, seed=i), max_tokens=8) for i in range(9)]
+        queued[1].future.cancel()  # a client that hung up while its request was queued
+        queued[4].future.cancel()
         await batcher.stop()  # must answer everything still queued before returning
-        with pytest.raises(server.Unavailable, match="shutting down"):
-            batcher.submit([1], 1, 0.0, 0, False)
-        return futures
+        with pytest.raises(Unavailable, match="draining"):
+            submit(batcher, [1], max_tokens=1)
+        return [pending.future for pending in queued], batcher.metrics
 
-    futures = asyncio.run(scenario())
+    futures, metrics = asyncio.run(scenario())
     for i, future in enumerate(futures):
         if i in (1, 4):
             assert future.cancelled()
         else:
             assert future.result() == reference(prompt(30, seed=i), 8)
+    assert metrics.registry.get_sample_value("draft_server_batch_size_sum") == 7, "the cancelled two were drafted"
 
 
-# ----------------------------------------------------------------------------- flags and the shipped package
+def test_a_request_queued_past_the_deadline_is_refused_and_counted(tiny_checkpoint: Path, reference):
+    """A batch that drafts for longer than the deadline: the request queued behind it gets Unavailable, and
+    the one in the batch still gets its draft (the deadline never abandons work already started)."""
 
+    async def scenario():
+        batcher = in_process_batcher(tiny_checkpoint, max_batch_size=1, max_wait_ms=0, queue_deadline_s=0.05)
+        slow_draft_fn = batcher.draft_fn
+        batcher.draft_fn = lambda *args: (time.sleep(0.3), slow_draft_fn(*args))[1]
+        batcher.start()
+        drafting = submit(batcher, [1, 2, 3], max_tokens=4)
+        await asyncio.sleep(0.01)  # the first request is taken into a batch
+        queued = submit(batcher, [4, 5, 6], max_tokens=4)
+        outcomes = await asyncio.gather(batcher.wait(drafting), batcher.wait(queued), return_exceptions=True)
+        await batcher.stop()
+        return outcomes, batcher.metrics
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [
-        (["--max-batch-size", "8", "--cache-slots", "4"], "--cache-slots 4 is less than 2 x --max-batch-size"),
-        (["--max-batch-size", "0"], "must be >= 1"),
-        (["--port", "70000"], "must be in 0..65535"),
-        (["--api-key-file", "/nonexistent/key"], "--api-key-file"),
-        pytest.param(
-            ["--device", "cuda"],
-            "no CUDA device",
-            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA"),
-        ),
-    ],
-)
-def test_bad_flags_exit_2_with_a_message(repo_root: Path, tiny_checkpoint: Path, flags: list[str], message: str):
-    result = subprocess.run(
-        [sys.executable, "server.py", "--model-dir", str(tiny_checkpoint), *flags],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert message in result.stderr
-
-
-def test_model_dir_without_config_is_refused(repo_root: Path, tmp_path: Path):
-    result = subprocess.run(
-        [sys.executable, "server.py", "--model-dir", str(tmp_path)],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2 and "no config.json" in result.stderr
-
-
-def test_serve_sh_maps_environment_to_flags(repo_root: Path, tiny_checkpoint: Path, api_key_file: Path, tmp_path: Path):
-    """serve.sh as operators run it; only where .venv is this interpreter's (./run_tests.sh), so it installs nothing."""
-    if Path(sys.prefix).resolve() != (repo_root / ".venv").resolve():
-        pytest.skip("serve.sh runs the repository's .venv; run the suite with ./run_tests.sh to test it")
-    port = free_port()
-    env = {
-        **os.environ,
-        "MODEL_DIR": str(tiny_checkpoint),
-        "PORT": str(port),
-        "MAX_BATCH_SIZE": "4",
-        "MAX_QUEUE": "7",
-        "MAX_DRAFT_TOKENS": "8",
-        "MAX_CONTEXT": "300",
-        "THREADS": "1",
-        "API_KEY_FILE": str(api_key_file),
-    }
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([str(repo_root / "serve.sh")], env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while process.poll() is None and time.monotonic() < deadline:
-            try:
-                health = httpx.get(url + "/health", timeout=1).json()
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        else:
-            pytest.fail(f"serve.sh never served /health:\n{log_path.read_text()}")
-        limits = health["limits"]
-        assert [limits[name] for name in ("max_batch_size", "max_queue", "max_draft_tokens", "max_context")] == [
-            4,
-            7,
-            8,
-            300,
-        ]
-        assert health["auth_required"] is True
-        assert httpx.post(url + "/draft", json={"token_ids": [1]}, timeout=30).status_code == 401
-    finally:
-        process.send_signal(signal.SIGTERM)  # serve.sh execs the server, so this reaches it directly
-        assert process.wait(timeout=30) == 0, log_path.read_text()
-
-
-def test_unloadable_model_fails_startup_with_the_reason(repo_root: Path, tmp_path: Path):
-    (tmp_path / "config.json").write_text((repo_root / "model" / "config.json").read_text())  # no weights
-    port = str(free_port())
-    result = subprocess.run(
-        [sys.executable, "server.py", "--model-dir", str(tmp_path), "--port", port, "--threads", "1"],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert "cannot load the model" in result.stderr and "model.safetensors" in result.stderr
-
-
-def test_shipped_model_package_serves_its_own_vocabulary(repo_root: Path, tmp_path: Path):
-    """model/ is the distilled SmolLM2 drafter: SmolLM2 ids draft as draft_model drafts them in process;
-    Qwen3 ids (the product target's tokenizer) get a 400 that names the drafter's vocabulary."""
-    model_dir = repo_root / "model"
-    running = start_server(repo_root, model_dir, tmp_path / "server.log")
-    try:
-        health = httpx.get(running.url + "/health", timeout=10).json()
-        assert health["random_weights"] is False
-        assert health["model"]["quantization"]["embedding_group_size"] == 32 and health["model"]["vocab_size"] == 49152
-        smollm2_chat = [
-            1,
-            9690,
-            198,
-            2683,
-            359,
-            253,
-            5356,
-            5646,
-            11173,
-            3365,
-            3511,
-            308,
-            34519,
-            28,
-            7018,
-            411,
-            407,
-            19712,
-            8182,
-            2,
-            198,
-            1,
-            4093,
-            198,
-        ]
-        body = httpx.post(running.url + "/draft", json={"token_ids": smollm2_chat, "max_tokens": 8}, timeout=30).json()
-        drafter = draft_model.load_model(model_dir, cache_slots=2)  # the server's defaults: device, dtype, weights auto
-        assert body["draft_token_ids"] == draft_model.draft_batch(drafter, [smollm2_chat], max_tokens=8)[0]
-        qwen3_chat = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
-        refused = httpx.post(running.url + "/draft", json={"token_ids": qwen3_chat}, timeout=30)
-        assert (
-            refused.status_code == 400
-            and "SmolLM2" in refused.json()["detail"]
-            and "0..49151" in refused.json()["detail"]
-        )
-    finally:
-        stop_server(running)
-    assert "RANDOM WEIGHTS" not in running.log()
-
-
-def test_shipped_model_is_what_architecture_json_records(repo_root: Path):
-    record = json.loads((repo_root / "architecture.json").read_text())
-    shipped = {
-        path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted((repo_root / "model").iterdir())
-    }
-    assert record["model_files_sha256"] == shipped
-    assert record["measured_tau"]["runs"] and all(run["check"] == "passed" for run in record["measured_tau"]["runs"])
-
-
-def test_make_random_package_is_reproducible(tmp_path: Path):
-    for name in ("a", "b"):
-        make_random_package.main(["--output", str(tmp_path / name), "--embedding-group-size", "32"])
-    for name in ("model_int4.safetensors", "lora.safetensors"):
-        first, second = load_file(tmp_path / "a" / name), load_file(tmp_path / "b" / name)
-        assert first.keys() == second.keys() and all(first[key].equal(second[key]) for key in first), name
-    assert draft_model.load_model(tmp_path / "a", cache_slots=2).model.embed_tokens is None
+    (drafted, refused), metrics = asyncio.run(scenario())
+    assert drafted == reference([1, 2, 3], 4)
+    assert isinstance(refused, Unavailable) and "--queue-deadline-s" in str(refused)
+    assert metrics.registry.get_sample_value("draft_server_queue_deadline_expired_total") == 1
+    assert metrics.registry.get_sample_value("draft_server_batch_size_count") == 1, "the refused one was drafted"

@@ -1,0 +1,186 @@
+"""The asyncio batching queue between the HTTP handlers and the model.
+
+Handlers `submit` requests into a bounded queue and `wait` for their drafts; one task takes up to
+max_batch_size queued requests (waiting at most max_wait_ms for more once it has one) and runs the
+draft function on them in one worker thread, so the model drafts one batch at a time.
+"""
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import draft_model
+from http_guards import Metrics
+
+log = logging.getLogger("draft_server")
+
+
+class Unavailable(Exception):
+    """The batcher cannot take or keep a request now (queue full, queue deadline passed, draining): a 503."""
+
+
+class DraftFailed(Exception):
+    """draft_batch raised for the batch this request was in: a 500."""
+
+
+@dataclass
+class PendingDraft:
+    token_ids: list[int]
+    max_tokens: int
+    min_confidence: float
+    lookup_min_match: int
+    return_logprobs: bool
+    future: asyncio.Future = field(repr=False)
+    taken: bool = False  # in a batch the worker is drafting: past the point where the deadline can refuse it
+
+
+# draft_fn(batch, max_tokens, min_confidence, lookup_min_match, return_logprobs) -> one Draft per row:
+# draft_model.draft_batch bound to a model, with one max_tokens, min_confidence and lookup_min_match per row.
+DraftFn = Callable[[list[list[int]], list[int], list[float], list[int], bool], list[draft_model.Draft]]
+
+
+class Batcher:
+    """Groups queued requests into batches and drafts each batch in one worker thread.
+
+    The model runs one batch at a time; requests that arrive meanwhile wait in the bounded queue and
+    form the next batch. A batch that raises fails only its own requests. A request still queued after
+    `queue_deadline_s` is refused, so a flood costs clients a quick 503 instead of an unbounded wait.
+    """
+
+    def __init__(
+        self,
+        draft_fn: DraftFn,
+        *,
+        max_batch_size: int,
+        max_wait_ms: float,
+        max_queue: int,
+        queue_deadline_s: float,
+        metrics: Metrics,
+    ):
+        self.draft_fn = draft_fn
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000
+        self.queue_deadline_s = queue_deadline_s
+        self.metrics = metrics
+        self.queue: asyncio.Queue[PendingDraft] = asyncio.Queue(maxsize=max_queue)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-worker")
+        self.task: asyncio.Task | None = None
+        self.accepting = False
+        metrics.queue_depth.set_function(self.queue.qsize)
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self) -> None:
+        self.accepting = True
+        self.task = asyncio.create_task(self._run(), name="batcher")
+
+    async def drain(self) -> None:
+        """Refuse new work and return once everything already queued has been drafted."""
+        self.accepting = False
+        await self.queue.join()
+
+    async def stop(self) -> None:
+        """Drain, then stop the task and the worker thread."""
+        await self.drain()
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.worker.shutdown(wait=True)
+
+    def submit(
+        self, token_ids: list[int], max_tokens: int, min_confidence: float, lookup_min_match: int, return_logprobs: bool
+    ) -> PendingDraft:
+        if not self.accepting:
+            raise Unavailable("the server is draining: it answers what it has queued, then stops")
+        future = asyncio.get_running_loop().create_future()
+        pending = PendingDraft(token_ids, max_tokens, min_confidence, lookup_min_match, return_logprobs, future)
+        try:
+            self.queue.put_nowait(pending)
+        except asyncio.QueueFull:
+            raise Unavailable(
+                f"the draft queue is full ({self.queue.maxsize} waiting, the --max-queue limit)"
+            ) from None
+        return pending
+
+    async def wait(self, pending: PendingDraft, client_left: asyncio.Future | None = None) -> draft_model.Draft | None:
+        """The request's draft, or None when `client_left` completes first: then its future is cancelled,
+        so a request still queued is skipped instead of costing a draft nobody reads. Raises Unavailable
+        when the request is still queued after the deadline, DraftFailed when its batch failed."""
+        watched = {pending.future} if client_left is None else {pending.future, client_left}
+        done, _ = await asyncio.wait(watched, timeout=self.queue_deadline_s, return_when=asyncio.FIRST_COMPLETED)
+        if not done and not pending.taken:
+            pending.future.cancel()
+            self.metrics.deadline_expired.inc()
+            raise Unavailable(
+                f"the request waited {self.queue_deadline_s:g} s in the draft queue (the --queue-deadline-s limit)"
+            )
+        if not done:  # its batch is being drafted: the answer is moments away
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        if pending.future in done:
+            return pending.future.result()
+        pending.future.cancel()
+        return None
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            try:
+                # A client that went away (or a request past its deadline) cancelled its future.
+                live = [pending for pending in batch if not pending.future.cancelled()]
+                for pending in live:
+                    pending.taken = True
+                if live:
+                    await self._draft(live)
+            finally:
+                for _ in batch:
+                    self.queue.task_done()
+
+    async def _next_batch(self) -> list[PendingDraft]:
+        """Wait for one request, then take more until the batch is full or max_wait has passed."""
+        batch = [await self.queue.get()]
+        deadline = time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_batch_size:
+            try:
+                batch.append(self.queue.get_nowait())
+                continue
+            except asyncio.QueueEmpty:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self.queue.get(), remaining))
+            except TimeoutError:
+                break
+        return batch
+
+    async def _draft(self, batch: list[PendingDraft]) -> None:
+        prompts = [pending.token_ids for pending in batch]
+        max_tokens = [pending.max_tokens for pending in batch]
+        min_confidence = [pending.min_confidence for pending in batch]
+        lookup_min_match = [pending.lookup_min_match for pending in batch]
+        want_logprobs = any(pending.return_logprobs for pending in batch)
+        call = functools.partial(self.draft_fn, prompts, max_tokens, min_confidence, lookup_min_match, want_logprobs)
+        started = time.perf_counter()
+        try:
+            drafts = await asyncio.get_running_loop().run_in_executor(self.worker, call)
+            if len(drafts) != len(batch):
+                raise RuntimeError(f"draft_batch returned {len(drafts)} drafts for {len(batch)} sequences")
+            self.metrics.record_batch(prompts, drafts, time.perf_counter() - started)
+        except Exception as error:
+            self.metrics.failed_batches.inc()
+            log.exception("draft_batch failed for a batch of %d requests", len(batch))
+            message = f"drafting failed for this request's batch: {type(error).__name__}: {error}"
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(DraftFailed(message))
+            return
+        for pending, draft in zip(batch, drafts, strict=True):
+            if not pending.future.done():  # done = cancelled by a client that disconnected mid-batch
+                pending.future.set_result(draft)
