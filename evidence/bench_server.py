@@ -99,9 +99,12 @@ async def run_client(
         headers = {} if args.no_session_id else {"X-Session-ID": conversation.session}
         body = {"token_ids": conversation.token_ids, "max_tokens": args.max_tokens}
         started = time.perf_counter()
-        response = await client.post("/draft", json=body, headers=headers)
+        try:
+            response = await client.post("/draft", json=body, headers=headers)
+        except httpx.TransportError:  # a timeout or a dropped connection: an error, and the client goes on
+            response = None
         tally.latencies.append(time.perf_counter() - started)
-        if response.status_code != 200:
+        if response is None or response.status_code != 200:
             tally.errors += 1
             continue
         replica = response.headers.get("x-draft-replica")
@@ -186,7 +189,9 @@ def parse_args() -> argparse.Namespace:
         "--no-session-id", action="store_true", help="send no X-Session-ID header (a router then places by body hash)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=120, help="seconds per request")
+    parser.add_argument(
+        "--timeout", type=float, default=120, help="seconds per request; a request past it counts as an error"
+    )
     parser.add_argument("--api-key-file", type=Path, default=None, help="sent as 'Authorization: Bearer <key>'")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures and server identity here")
     return parser.parse_args()

@@ -53,6 +53,6 @@ for replicas in "${counts[@]}"; do
     done
     echo "== REPLICAS=$replicas, CACHE_SLOTS=${CACHE_SLOTS:-48} per replica"
     nice -n 10 "$repo/.venv/bin/python" "$repo/evidence/bench_server.py" --url "http://127.0.0.1:$port" \
-        --concurrency "${levels[@]}" --requests "${REQUESTS:-256}" --json "$out/replicas$replicas.json" "$@"
+        --concurrency "${levels[@]}" --requests "${REQUESTS:-256}" --timeout 600 --json "$out/replicas$replicas.json" "$@"
     stop_serve
 done
