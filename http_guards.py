@@ -6,6 +6,7 @@ Each guard is a plain ASGI middleware factory, `guard(app, **options) -> app`, a
 
 import hmac
 import math
+import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -208,3 +209,21 @@ def measure_requests(app: Callable, metrics: Metrics) -> Callable:
             metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
     return measured
+
+
+def replica_name(host: str, port: int) -> str:
+    """host:port as a router reaches this replica; a wildcard bind address says nothing, the host name does."""
+    return f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{port}"
+
+
+def describe_validation_errors(errors: Sequence[dict], shown: int = 5) -> str:
+    """pydantic errors as one line a person can act on: 'body.max_tokens: Input should be ...; ...'."""
+    parts = []
+    for error in errors[:shown]:
+        if error["type"] == "json_invalid":
+            parts.append(f"body is not valid JSON (at character {error['loc'][-1]}): {error['ctx']['error']}")
+        else:
+            parts.append(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}")
+    if len(errors) > shown:
+        parts.append(f"... and {len(errors) - shown} more errors")
+    return "; ".join(parts)

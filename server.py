@@ -15,25 +15,31 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Annotated, Literal
 
 import fastapi
 import torch
 import uvicorn
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 import draft_model
-import package_manifest
 import server_settings
 from batcher import Batcher, DraftFailed, PendingDraft, Unavailable
-from http_guards import Metrics, add_response_header, limit_body_size, measure_requests, require_api_key
+from http_guards import (
+    Metrics,
+    add_response_header,
+    describe_validation_errors,
+    limit_body_size,
+    measure_requests,
+    replica_name,
+    require_api_key,
+)
 from server_settings import ConfigError, ServerSettings
 
 log = logging.getLogger("draft_server")
@@ -41,9 +47,19 @@ log = logging.getLogger("draft_server")
 RETRY_AFTER_SECONDS = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up first: counted in /metrics, never sent
 REPLICA_HEADER = "X-Draft-Replica"
+HEALTH_LIMITS = ("max_draft_tokens", "max_batch_size", "max_wait_ms", "max_queue", "queue_deadline_s", "max_body_bytes")
 
 
 # ----------------------------------------------------------------------------- request / response
+
+
+def whole_number(value):
+    """JSON Schema counts 6.0 as an integer, so the schema's promise holds only if it is accepted as 6;
+    a bool or a string is still refused (no coercion to a number)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+JsonInt = Annotated[StrictInt, BeforeValidator(whole_number)]
 
 
 def request_models(vocab_size: int, max_context: int, max_draft_tokens: int, max_items: int) -> tuple[type, type]:
@@ -55,12 +71,12 @@ def request_models(vocab_size: int, max_context: int, max_draft_tokens: int, max
 
     class DraftFields(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        token_ids: list[StrictInt] = Field(
+        token_ids: list[JsonInt] = Field(
             description=f"Token ids of the conversation so far: 1..{max_context} ids (more with truncate), "
             f"each in 0..{vocab_size - 1}.",
             examples=[[min(token_id, vocab_size - 1) for token_id in (1, 2, 3)]],
         )
-        max_tokens: StrictInt = Field(
+        max_tokens: JsonInt = Field(
             default=min(16, max_draft_tokens), ge=1, le=max_draft_tokens, description="Most draft tokens to return."
         )
         return_logprobs: StrictBool = Field(
@@ -73,10 +89,10 @@ def request_models(vocab_size: int, max_context: int, max_draft_tokens: int, max
             description="Adaptive draft length: stop after a draft token whose probability is below this "
             "(that token is still returned). Default: the server's --min-confidence.",
         )
-        lookup_min_match: StrictInt | None = Field(
+        lookup_min_match: (
+            Annotated[StrictInt, Field(ge=0, le=draft_model.LOOKUP_MAX_MATCH), BeforeValidator(whole_number)] | None
+        ) = Field(
             default=None,
-            ge=0,
-            le=draft_model.LOOKUP_MAX_MATCH,
             description="Hybrid drafting: when token_ids end in an n-gram of at least this many tokens that occurred "
             "earlier in token_ids, return what followed it (source 'lookup') instead of a model draft; 0: off. "
             "Default: the server's --lookup-min-match.",
@@ -170,14 +186,8 @@ def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastap
     vocabulary = drafter.model_card.get("vocabulary")
 
     def draft_fn(batch, max_tokens, min_confidence, lookup_min_match, return_logprobs) -> list[draft_model.Draft]:
-        return draft_model.draft_batch(
-            drafter,
-            batch,
-            max_tokens,
-            return_logprobs,
-            min_confidence=min_confidence,
-            lookup_min_match=lookup_min_match,
-        )
+        options = {"min_confidence": min_confidence, "lookup_min_match": lookup_min_match}
+        return draft_model.draft_batch(drafter, batch, max_tokens, return_logprobs, **options)
 
     @asynccontextmanager
     async def lifespan(app: fastapi.FastAPI):
@@ -309,16 +319,8 @@ def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastap
             "model": drafter.describe(),
             "random_weights": bool(drafter.model_card.get("random_weights", False)),
             "queue_depth": batcher.queue.qsize(),
-            "limits": {
-                "vocab_size": drafter.vocab_size,
-                "max_context": drafter.max_context,
-                "max_draft_tokens": settings.max_draft_tokens,
-                "max_batch_size": settings.max_batch_size,
-                "max_wait_ms": settings.max_wait_ms,
-                "max_queue": settings.max_queue,
-                "queue_deadline_s": settings.queue_deadline_s,
-                "max_body_bytes": settings.max_body_bytes,
-            },
+            "limits": {"vocab_size": drafter.vocab_size, "max_context": drafter.max_context}
+            | {name: getattr(settings, name) for name in HEALTH_LIMITS},
             "auth_required": settings.api_key is not None,
         }
 
@@ -349,46 +351,6 @@ def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastap
     app.add_middleware(measure_requests, metrics=metrics)
     app.add_middleware(add_response_header, name=REPLICA_HEADER, value=replica)
     return app
-
-
-def replica_name(host: str, port: int) -> str:
-    """host:port as a router reaches this replica; a wildcard bind address says nothing, the host name does."""
-    return f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{port}"
-
-
-def describe_validation_errors(errors: Sequence[dict], shown: int = 5) -> str:
-    """pydantic errors as one line a person can act on: 'body.max_tokens: Input should be ...; ...'."""
-    parts = []
-    for error in errors[:shown]:
-        if error["type"] == "json_invalid":
-            parts.append(f"body is not valid JSON (at character {error['loc'][-1]}): {error['ctx']['error']}")
-        else:
-            parts.append(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}")
-    if len(errors) > shown:
-        parts.append(f"... and {len(errors) - shown} more errors")
-    return "; ".join(parts)
-
-
-def startup_summary(identity: dict, settings: ServerSettings, load_seconds: float) -> str:
-    """One log line: what is being served, where, and how it was configured."""
-    quant = identity["quantization"]
-    quant_text = f"{quant['method']} int{quant['bits']} g{quant['group_size']}" if quant else "unquantized"
-    random_text = "RANDOM WEIGHTS, " if identity["model_card"].get("random_weights") else ""
-    integrity = (
-        "NOT CHECKED (--skip-integrity-check)"
-        if settings.skip_integrity_check
-        else "verified"
-        if package_manifest.has_manifest(settings.model_dir)
-        else f"unverified (no {package_manifest.MANIFEST})"
-    )
-    return (
-        f"loaded {identity['name']} from {settings.model_dir} in {load_seconds:.2f} s: {identity['architecture']}, "
-        f"{identity['num_layers']} layers, vocab {identity['vocab_size']}, {quant_text}, "
-        f"lora r={identity['lora_rank']}, {random_text}integrity {integrity}, device {identity['device']}, "
-        f"dtype {identity['dtype']}, weights {identity['weights']}, max_context {identity['max_context']}, "
-        f"cache_slots {identity['cache_slots']}, max_batch_size {settings.max_batch_size}, "
-        f"threads {torch.get_num_threads()}, auth {'on' if settings.api_key else 'off'}"
-    )
 
 
 # ----------------------------------------------------------------------------- start-up and shutdown
@@ -463,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as error:  # the operator gets one line; --log-level debug adds the traceback
         log.debug("start-up failed", exc_info=True)
         refuse(f"cannot start: {type(error).__name__}: {error} (--log-level debug shows the traceback)", status=1)
-    log.info("%s", startup_summary(drafter.describe(), settings, time.perf_counter() - started))
+    log.info("%s", server_settings.startup_summary(drafter.describe(), settings, time.perf_counter() - started))
     app = create_app(settings, drafter)
     config = uvicorn.Config(
         app,

@@ -1,7 +1,8 @@
 """The draft server's settings, each defined once: a field of ServerSettings carries its default, its help
 and its check, and the command line (`python server.py --help`) is generated from the fields.
 
-Also the start-up check that the configuration fits in memory before anything is allocated.
+Also what start-up reports and checks before anything is allocated: the one-line summary of what is
+served, and whether the weights plus the KV cache fit in the memory available.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import torch
 
 import checkpoint
 import draft_model
+import package_manifest
 
 MEMORY_HEADROOM = 0.9  # share of the available memory the weights and the KV cache may take; the rest:
 # activations of a prefill chunk, the Python heap, the page cache of the weight files
@@ -214,6 +216,28 @@ def read_api_key(path: Path | None) -> str | None:
     if not api_key:
         raise ConfigError(f"--api-key-file {path} is empty")
     return api_key
+
+
+def startup_summary(identity: dict, settings: ServerSettings, load_seconds: float) -> str:
+    """One log line: what is being served, where, and how it was configured."""
+    quant = identity["quantization"]
+    quant_text = f"{quant['method']} int{quant['bits']} g{quant['group_size']}" if quant else "unquantized"
+    random_text = "RANDOM WEIGHTS, " if identity["model_card"].get("random_weights") else ""
+    integrity = (
+        "NOT CHECKED (--skip-integrity-check)"
+        if settings.skip_integrity_check
+        else "verified"
+        if package_manifest.has_manifest(settings.model_dir)
+        else f"unverified (no {package_manifest.MANIFEST})"
+    )
+    return (
+        f"loaded {identity['name']} from {settings.model_dir} in {load_seconds:.2f} s: {identity['architecture']}, "
+        f"{identity['num_layers']} layers, vocab {identity['vocab_size']}, {quant_text}, "
+        f"lora r={identity['lora_rank']}, {random_text}integrity {integrity}, device {identity['device']}, "
+        f"dtype {identity['dtype']}, weights {identity['weights']}, max_context {identity['max_context']}, "
+        f"cache_slots {identity['cache_slots']}, max_batch_size {settings.max_batch_size}, "
+        f"threads {torch.get_num_threads()}, auth {'on' if settings.api_key else 'off'}"
+    )
 
 
 # ----------------------------------------------------------------------------- memory
