@@ -23,9 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+from huggingface_hub import HfApi, hf_hub_download
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # scripts run as `python evidence/x.py` import draft_model from the root
-    sys.path.insert(0, str(REPO_ROOT))
 
 FORBIDDEN_SPLITS = ("test", "validation", "valid", "dev", "eval")
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
@@ -256,8 +257,6 @@ def dataset_files(
 
 def hub_download(entry: dict, filename: str, revision: str, cache_dir: Path | None) -> Path:
     try:
-        from huggingface_hub import hf_hub_download
-
         return Path(
             hf_hub_download(entry["repo"], filename, repo_type="dataset", revision=revision, cache_dir=cache_dir)
         )
@@ -267,8 +266,7 @@ def hub_download(entry: dict, filename: str, revision: str, cache_dir: Path | No
 
 def lock_dataset(manifest_path: Path, name: str, *, cache_dir: Path | None, logger: logging.Logger) -> dict:
     """Resolve `name`'s revision on the hub, download its train files, record commit, sha256 and rows."""
-    import pyarrow.parquet as pq
-    from huggingface_hub import HfApi
+    import pyarrow.parquet as pq  # optional (the dev and train extras): only locking and prepare_prompts read parquet
 
     manifest = load_manifest(manifest_path)
     entry = manifest["datasets"][name]
@@ -383,7 +381,6 @@ def directory_fingerprint(directory: Path) -> dict[str, str]:
 
 
 def pick_device(requested: str | None) -> str:
-    import torch
 
     if requested:
         return requested

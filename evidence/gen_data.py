@@ -16,7 +16,7 @@ temporary name and renamed when complete, so a killed run leaves no partial shar
 shard whose settings match and refuses one made with different settings. Greedy decoding with a fixed
 batch composition makes the output deterministic on a given machine.
 
-    python evidence/gen_data.py --prompts WORK/prompts.jsonl --teacher Qwen/Qwen3-8B \
+    python -m evidence.gen_data --prompts WORK/prompts.jsonl --teacher Qwen/Qwen3-8B \
         --teacher-revision COMMIT --out WORK/data --max-new-tokens 512 --backend vllm
 
 Backends: `transformers` (always; batched, left-padded, KV-cached) and `vllm` (when vLLM is installed).
@@ -30,19 +30,20 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from evidence import common
 
 try:  # optional: the fast backend for full-scale runs on GPU
     import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 except ImportError:
-    vllm = None
+    vllm = SamplingParams = TokensPrompt = None
 
 SHARD_PATTERN = "shard-*.safetensors"
 
@@ -75,7 +76,6 @@ def generate_transformers(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: list[int]
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Greedy decoding of one batch with a KV cache, keeping the top-k log-probabilities of each step."""
-    from transformers import DynamicCache
 
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_id=0)
@@ -125,9 +125,6 @@ def generate_vllm(
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Greedy decoding with vLLM; each step's logprobs dict is sorted by logprob and cut to the top k
     (vLLM adds the sampled token when it falls outside the top k; greedy never does)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=top_k, stop_token_ids=eos_ids)
     outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     results = []
@@ -249,15 +246,11 @@ def collate(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 
 def eos_token_ids(teacher: str, revision: str | None, override: list[int] | None) -> list[int]:
-    from transformers import GenerationConfig
-
     if override:
         return override
     try:
         eos = GenerationConfig.from_pretrained(teacher, revision=revision).eos_token_id
     except OSError:
-        from transformers import AutoConfig
-
         eos = AutoConfig.from_pretrained(teacher, revision=revision).eos_token_id
     if eos is None:
         raise common.UserError(f"teacher {teacher} declares no eos_token_id; give --eos-token-ids")
@@ -308,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     check_args(args)
     logger = common.setup_logging(common.log_path_beside(args.out, "gen_data"), "gen_data")
-    logger.info("command: python evidence/gen_data.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.gen_data %s", " ".join(sys.argv[1:] if argv is None else argv))
     teacher, revision = common.resolve_model(args.teacher, args.teacher_revision)
     rows = common.read_jsonl(args.prompts)[: args.limit]
     if not rows:
@@ -368,7 +361,6 @@ def load_backend(
     if args.backend == "vllm":
         engine = vllm.LLM(model=teacher, revision=revision, dtype=dtype_name, seed=0)
         return lambda prompts: generate_vllm(engine, prompts, args.max_new_tokens, args.top_k, eos_ids)
-    from transformers import AutoModelForCausalLM
 
     model = (
         AutoModelForCausalLM.from_pretrained(teacher, revision=revision, dtype=getattr(torch, dtype_name))

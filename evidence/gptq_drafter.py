@@ -21,7 +21,7 @@ model_int4.safetensors (packed with int4.gptq_pack), model_card.json; beside it
 PACKAGE_DIR.gptq_drafter.json (holdout tau of the student and of INT4, top-1 agreement INT4 vs student)
 and the log PACKAGE_DIR.gptq_drafter.log.
 
-    python evidence/gptq_drafter.py --student WORK/student --data WORK/data --out WORK/package \
+    python -m evidence.gptq_drafter --student WORK/student --data WORK/data --out WORK/package \
         --group-size 128 --sym --act-order --static-groups --calib-samples 256 --k 16
 """
 
@@ -33,16 +33,13 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
 import checkpoint
-import draft_model
 import int4
-import package_manifest
 import package_manifest
 from evidence import common
 from evidence.gen_data import load_examples
@@ -326,7 +323,6 @@ def write_package(
         (staging / checkpoint.PACKAGE_MODEL_CARD).write_text(json.dumps(model_card, indent=2) + "\n")
         save_file(tensors, str(staging / checkpoint.PACKAGE_WEIGHTS), metadata={"format": "pt"})
         package_manifest.write_manifest(staging)
-        package_manifest.write_manifest(staging)
 
 
 def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_size: int | None) -> dict:
@@ -351,24 +347,6 @@ def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_si
         "modules_to_not_convert": ["lm_head"],
         "calibration_samples": calib_samples,
     }
-
-
-def dequantized_model(
-    package_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, with_lora: bool = True
-) -> torch.nn.Module:
-    """The package as a Hugging Face model on exactly the weights draft_model computes with: INT4
-    dequantized and, when asked, the LoRA adapter merged. Loading is draft_model's, so it is strict."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        drafter = draft_model.load_model(
-            package_dir, "cpu", torch.float32, weights="dequant", use_lora=with_lora, cache_slots=2, max_context=1
-        )
-    except draft_model.ModelLoadError as error:
-        raise common.UserError(str(error)) from None
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(package_dir), dtype=torch.float32)
-    model.load_state_dict(drafter.hf_state_dict())
-    return model.to(device=device, dtype=dtype).eval()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -424,8 +402,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from transformers import AutoModelForCausalLM
-
     args = parse_args(argv)
     for flag, value in (("--group-size", args.group_size), ("--embedding-group-size", args.embedding_group_size or 8)):
         if value < 8 or value % 8:
@@ -435,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"need --damp-percent in [0, 1), --calib-samples >= 1, --k >= 1; got {args.damp_percent}, {args.calib_samples}, {args.k}"
         )
     logger = common.setup_logging(common.log_path_beside(args.out, "gptq_drafter"), "gptq_drafter")
-    logger.info("command: python evidence/gptq_drafter.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.gptq_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
     if not (args.student / "config.json").is_file():
         raise common.UserError(f"--student {args.student} is not a model directory (no config.json)")
     settings = QuantSettings(args.group_size, args.sym, args.act_order, args.damp_percent, args.static_groups)

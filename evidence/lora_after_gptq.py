@@ -8,7 +8,7 @@ e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight) and `lora_c
 (adapter_config.json). Reports holdout tau before and after in PACKAGE_DIR.lora_after_gptq.json (the
 "after" figure is measured again on the package as written, adapter merged), log PACKAGE_DIR.lora_after_gptq.log.
 
-    python evidence/lora_after_gptq.py --package WORK/package --data WORK/data --rank 16 --alpha 32 \
+    python -m evidence.lora_after_gptq --package WORK/package --data WORK/data --rank 16 --alpha 32 \
         --lr 1e-4 --epochs 1 --k 16
 """
 
@@ -22,15 +22,14 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
+from peft import LoraConfig, get_peft_model
 
 import checkpoint
 import package_manifest
 from evidence import common
 from evidence.gen_data import load_examples
-from evidence.gptq_drafter import dequantized_model
+from evidence.packages import dequantized_model
 from evidence.tau import offline_tau
 from evidence.train_drafter import TrainSettings, add_train_arguments, settings_from_args, train
 
@@ -40,7 +39,6 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> torch.nn.Module:
     """A PEFT model whose only trainable parameters are the LoRA matrices (B starts at zero, so step 0
     is exactly the INT4 model)."""
-    from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
@@ -87,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise common.UserError(f"--target-modules {unknown} are not projections; choose from {list(PROJECTIONS)}")
     logger = common.setup_logging(common.log_path_beside(args.package, "lora_after_gptq"), "lora_after_gptq")
-    logger.info("command: python evidence/lora_after_gptq.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.lora_after_gptq %s", " ".join(sys.argv[1:] if argv is None else argv))
     if not (args.package / checkpoint.PACKAGE_WEIGHTS).is_file():
         raise common.UserError(
             f"--package {args.package} has no {checkpoint.PACKAGE_WEIGHTS}; run gptq_drafter.py first"

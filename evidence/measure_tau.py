@@ -36,7 +36,7 @@ leaving its other keys as they are.
 Exit status: 0; 2 for a user error; 1 when --check finds a committed token that differs from the
 target's greedy output (each mismatch is logged with prompt index, position and both tokens).
 
-    python evidence/measure_tau.py --target SMALL/teacher --tokenizer SMALL/tokenizer \
+    python -m evidence.measure_tau --target SMALL/teacher --tokenizer SMALL/tokenizer \
         --mtbench SMALL/mtbench_question.jsonl --drafter model --drafter SMALL/student_init \
         --drafter WORK/student --drafter-without-lora model --hybrid 4 --baselines ngram assisted \
         --k 16 --max-new-tokens 128 --check --json OUT/tau.json --plot OUT/tau.png
@@ -56,8 +56,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 import torch
 from tqdm import tqdm
@@ -65,8 +63,8 @@ from transformers import DynamicCache
 
 import draft_model
 from evidence import common
+from evidence.packages import load_any_model
 from evidence.prepare_prompts import encode, load_tokenizer
-from evidence.tau import load_any_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BASELINES = ("ngram", "assisted")
@@ -370,7 +368,7 @@ def write_record(path: Path, report: dict, argv: list[str] | None) -> None:
     """The report without per-prompt outputs, and the command, as the key "measured_tau" of a JSON record."""
     record = common.read_json(path, "record") if path.exists() else {}
     runs = [{key: value for key, value in run.items() if key != "outputs"} for run in report["runs"]]
-    command = "python evidence/measure_tau.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m evidence.measure_tau " + shlex.join(sys.argv[1:] if argv is None else argv)
     record["measured_tau"] = {
         **{key: value for key, value in report.items() if key != "runs"},
         "runs": runs,

@@ -20,16 +20,16 @@ Writes: WORK/... (every intermediate, logs beside each output), OUT (the model p
 architecture record (--architecture, default WORK/architecture.json): only its own top-level key
 "evidence_pipeline" is added or replaced, so the record can live inside the repo's architecture.json.
 
-    python evidence/run_pipeline.py --config evidence/configs/qwen3.json --work WORK --out OUT \
+    python -m evidence.run_pipeline --config evidence/configs/qwen3.json --work WORK --out OUT \
         --cache-dir CACHE [--lock]
-    python evidence/run_pipeline.py --config evidence/configs/tiny.json --work WORK --out OUT \
+    python -m evidence.run_pipeline --config evidence/configs/tiny.json --work WORK --out OUT \
         --mirror MIRROR --manifest MANIFEST --teacher TEACHER_DIR --base BASE_DIR --tokenizer TOKENIZER_DIR
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.metadata
 import json
 import platform
 import shlex
@@ -39,15 +39,31 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
+from huggingface_hub import HfApi
+from transformers import AutoModelForCausalLM
 
 import checkpoint
 import draft_model
-from evidence import common
+from evidence import (
+    add_aya,
+    common,
+    gen_data,
+    gptq_drafter,
+    lora_after_gptq,
+    magpie_prompts,
+    prepare_prompts,
+    train_drafter,
+)
+from evidence.gen_data import generate_transformers, load_examples
+from evidence.packages import dequantized_model
+from evidence.tau import offline_tau
 
 STAGES = ("prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data")
+SCRIPTS = {  # the evidence script behind each stage, run in this process (or under a launcher by name)
+    module.__name__.rpartition(".")[2]: module
+    for module in (prepare_prompts, add_aya, magpie_prompts, gen_data, train_drafter, gptq_drafter, lora_after_gptq)
+}
 RECORD_KEY = "evidence_pipeline"
 
 
@@ -81,8 +97,6 @@ def model_flags(role: str, spec: dict, override: Path | None, option: str) -> li
 
 def lock_models(config_path: Path, config: dict, logger) -> None:
     """Resolve each hub model's revision (a commit hash) and write it into the config file."""
-    from huggingface_hub import HfApi
-
     for role in ("teacher", "base", "tokenizer"):
         spec = config.get(role) or {}
         if spec.get("repo") and not common.COMMIT_HASH.match(str(spec.get("revision"))):
@@ -131,7 +145,7 @@ class Pipeline:
         self, stage: str, module: str, argv: list[str], outputs: list[Path], launcher: list[str] | None = None
     ) -> dict:
         """Run `module`.main(argv) unless the same command already completed with its outputs present."""
-        command = (launcher or ["python"]) + [f"evidence/{module}.py", *argv]
+        command = (launcher or ["python"]) + ["-m", f"evidence.{module}", *argv]  # run from the repo root
         self.commands.append(self.portable(command))
         if self.args.from_stage == stage:
             self.rerun = True
@@ -149,7 +163,7 @@ class Pipeline:
                 raise common.UserError(f"stage {stage} failed (exit {result.returncode}): {shlex.join(command)}")
             report = json.loads(common.log_path_beside(outputs[0], module).with_suffix(".json").read_text())
         else:
-            report = importlib.import_module(f"evidence.{module}").main(argv)
+            report = SCRIPTS[module].main(argv)
         self.logger.info("stage %s done in %.1f s", stage, time.time() - started)
         self.state[stage] = {"argv": argv, "report": report, "seconds": round(time.time() - started, 1)}
         common.atomic_write_json(self.state_path, self.state)
@@ -288,12 +302,6 @@ class Pipeline:
 
     def measure_eval_set(self, package: Path) -> dict:
         """Offline tau of every stage's model on the measurement-only set (e.g. MT-bench)."""
-        from transformers import AutoModelForCausalLM
-
-        from evidence.gen_data import load_examples
-        from evidence.gptq_drafter import dequantized_model
-        from evidence.tau import offline_tau
-
         examples = load_examples(self.path("eval_data"), "holdout")
         base = self.config.get("base") or {}
         loaders = {
@@ -395,9 +403,6 @@ def package_draft_agreement(package: Path, data: Path, k: int, rows: int = 4) ->
     """draft_model's greedy drafts from the package vs greedy decoding of the Hugging Face model the
     pipeline measured (dequantized INT4 + merged LoRA), on a few holdout prompts: the fraction of the
     compared draft tokens that are equal (1.0 means the package means what was measured)."""
-    from evidence.gen_data import generate_transformers, load_examples
-    from evidence.gptq_drafter import dequantized_model
-
     device = common.pick_device(None)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     examples = load_examples(data, "holdout")[:rows]
@@ -423,8 +428,8 @@ def versions() -> dict:
     }
     for package in ("transformers", "peft", "safetensors", "tokenizers", "huggingface_hub", "vllm"):
         try:
-            found[package] = importlib.import_module(package).__version__
-        except ImportError:
+            found[package] = importlib.metadata.version(package)  # read from the install, nothing imported
+        except importlib.metadata.PackageNotFoundError:
             found[package] = None
     return found
 
@@ -483,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out.resolve() == (common.REPO_ROOT / "model").resolve():
         print("note: writing the package over the repo's model/ directory", file=sys.stderr)
     logger = common.setup_logging(args.work / "run_pipeline.log", "run_pipeline")
-    logger.info("command: python evidence/run_pipeline.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.run_pipeline %s", " ".join(sys.argv[1:] if argv is None else argv))
     config = load_config(args.config)
     if args.lock:
         lock_models(args.config, config, logger)

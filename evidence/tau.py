@@ -18,24 +18,23 @@ the real loop and checks equality).
 Reads: a model (Hugging Face directory, or a model package with quant_config.json) and data shards from
 gen_data.py. Writes: a JSON report on stdout (and to --out if given).
 
-    python evidence/tau.py --model STUDENT_DIR --data DATA_DIR --k 16 [--split holdout] [--out tau.json]
+    python -m evidence.tau --model STUDENT_DIR --data DATA_DIR --k 16 [--split holdout] [--out tau.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from tqdm import tqdm
 
 from evidence import common
+from evidence.gen_data import collate, load_examples
+from evidence.packages import load_any_model
 
 
 @dataclass
@@ -110,8 +109,6 @@ def teacher_forced_argmax(
     model: torch.nn.Module, examples: list[dict], batch_size: int = 8, progress: bool = True
 ) -> list[torch.Tensor]:
     """Per example, the model's argmax at every continuation position given the teacher's tokens: [n]."""
-    from evidence.gen_data import collate
-
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -140,21 +137,6 @@ def argmax_agreement(first: list[torch.Tensor], second: list[torch.Tensor]) -> f
     return same / total if total else float("nan")
 
 
-def load_any_model(path: Path, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A Hugging Face model directory, or a model package (INT4 dequantized, LoRA merged if present)."""
-    from transformers import AutoModelForCausalLM
-
-    if (path / "quant_config.json").is_file():
-        from evidence.gptq_drafter import dequantized_model
-
-        return dequantized_model(path, device=device, dtype=dtype, with_lora=True)
-    if not (path / "config.json").is_file():
-        raise common.UserError(
-            f"{path} is neither a model directory (config.json) nor a model package (quant_config.json)"
-        )
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True, help="HF model directory or model package")
@@ -168,8 +150,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> TauReport:
-    from evidence.gen_data import load_examples
-
     args = parse_args(argv)
     if args.k < 1:
         raise common.UserError(f"--k must be at least 1, got {args.k}")

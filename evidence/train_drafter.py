@@ -15,9 +15,9 @@ Reads: the base model (directory or hub id + --base-revision) and DATA_DIR from 
 Writes: OUT (a Hugging Face model directory with the selected weights), OUT.train_drafter.json (history
 and the selected step) and the log OUT.train_drafter.log.
 
-    python evidence/train_drafter.py --base Qwen/Qwen3-1.7B --base-revision COMMIT --data WORK/data \
+    python -m evidence.train_drafter --base Qwen/Qwen3-1.7B --base-revision COMMIT --data WORK/data \
         --out WORK/student --k 16 --epochs 2 --lr 2e-5
-    torchrun --nproc_per_node 8 evidence/train_drafter.py ...same flags...
+    torchrun --nproc_per_node 8 -m evidence.train_drafter ...same flags...
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
 from evidence import common
 from evidence.gen_data import collate, load_examples
@@ -269,14 +268,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
     settings = settings_from_args(args)
     distributed = init_distributed()
     log_name = f"train_drafter.rank{distributed.rank}" if distributed.world_size > 1 else "train_drafter"
     logger = common.setup_logging(common.log_path_beside(args.out, log_name), "train_drafter")
-    logger.info("command: python evidence/train_drafter.py %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.train_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
     base, revision = common.resolve_model(args.base, args.base_revision)
     torch.manual_seed(settings.seed)
     train_examples = load_examples(args.data, "train")

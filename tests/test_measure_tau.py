@@ -78,7 +78,8 @@ def test_in_process_is_lossless_and_equals_offline_tau(models, tmp_path):
     assert (run["committed_tokens"], run["verify_steps"]) == (offline.committed, offline.steps)
     assert run["tau"] == offline.tau
     assert run["tau"] > 2.0  # the perturbed copy agrees often: the test can tell a broken loop from a working one
-    assert len(run["acceptance_by_position"]) == K and all(0 <= p <= 1 for p in run["acceptance_by_position"])
+    assert len(run["acceptance_by_position"]) == K
+    assert run["acceptance_by_position"][0] > 0.5  # the close copy's first draft token is usually right
 
 
 def test_server_over_http_matches_in_process(models, tmp_path, repo_root):
@@ -97,8 +98,28 @@ def test_server_over_http_matches_in_process(models, tmp_path, repo_root):
 def test_ngram_baseline_runs(models, tmp_path):
     (run,) = run_harness(models, tmp_path, "--baselines", "ngram")["runs"]
     assert run["drafter"].startswith("ngram") and run["check"] == "passed"
-    assert run["tau"] >= 1.0
     assert run["mean_draft_tokens_per_call"] > 0  # the prompts repeat themselves, so lookups do find matches
+    # Replayed offline on the committed (the target's greedy) tokens, prompt lookup gives the same counts.
+    committed = steps = 0
+    for prompt, output in zip(PROMPTS, run["outputs"]):
+        position = 0
+        while position < len(output):
+            remaining = MAX_NEW_TOKENS - position
+            proposal = (
+                measure_tau.ngram_drafter(prompt + output[:position], min(K, remaining - 1)) if remaining > 1 else []
+            )
+            accepted = 0
+            while (
+                accepted < len(proposal)
+                and position + accepted < len(output)
+                and proposal[accepted] == output[position + accepted]
+            ):
+                accepted += 1
+            position += min(accepted + 1, len(output) - position)
+            steps += 1
+        committed += len(output)
+    assert (run["committed_tokens"], run["verify_steps"]) == (committed, steps)
+    assert run["tau"] > 1.0  # some lookups were accepted: the replay above compared real drafts
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():

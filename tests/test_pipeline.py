@@ -168,7 +168,7 @@ def test_end_to_end_record_reports_every_stage(pipeline_run):
     }
     assert record["data"]["teacher_data"]["rows"] == 64
     assert record["data"]["magpie"]["seed"] == 0
-    assert len(record["commands"]) == 8 and all(c.startswith("python evidence/") for c in record["commands"])
+    assert len(record["commands"]) == 8 and all(c.startswith("python -m evidence.") for c in record["commands"])
     assert record["eval"]["sequences"] == 6 and set(record["eval"]["tau"]) == {
         "base_model",
         "distilled",
@@ -192,7 +192,7 @@ def test_lora_adapter_is_a_peft_adapter(pipeline_run, tmp_path):
     same logits as the merged weights the pipeline measured."""
     from peft import PeftModel
 
-    from evidence.gptq_drafter import dequantized_model
+    from evidence.packages import dequantized_model
 
     out = pipeline_run["out"]
     adapter_dir = tmp_path / "adapter"
@@ -418,7 +418,8 @@ def test_command_line_refusal_is_one_message_and_exit_status_2(inputs, tmp_path)
     result = subprocess.run(
         [
             sys.executable,
-            "evidence/prepare_prompts.py",
+            "-m",
+            "evidence.prepare_prompts",
             "--manifest",
             str(manifest),
             "--mirror",
@@ -550,24 +551,42 @@ def test_hub_model_without_pinned_revision_is_refused(inputs, tmp_path):
         run_pipeline.main(argv)
 
 
-def test_every_script_has_help(capsys):
-    from evidence import add_aya, gen_data, gptq_drafter, lora_after_gptq, smollm2_models, tau, train_drafter
+def evidence_scripts() -> list[str]:
+    """Every script in evidence/ (a module that runs as __main__), by module name."""
+    return sorted(
+        path.stem for path in (ROOT / "evidence").glob("*.py") if 'if __name__ == "__main__":' in path.read_text()
+    )
 
-    for module in (
-        prepare_prompts,
-        add_aya,
-        gen_data,
-        train_drafter,
-        gptq_drafter,
-        lora_after_gptq,
-        run_pipeline,
-        tau,
-        smollm2_models,
-    ):
-        with pytest.raises(SystemExit) as exit_info:
-            module.parse_args(["--help"])
-        assert exit_info.value.code == 0
-        assert "python evidence/" in capsys.readouterr().out  # the docstring with the exact command
+
+HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+results = {}
+for name in sys.argv[1:]:
+    sys.argv = [name, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_module("evidence." + name, run_name="__main__", alter_sys=True)  # what python -m does
+        code = None
+    except SystemExit as exit:
+        code = exit.code
+    results[name] = [code, out.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def test_every_script_has_help():
+    """`python -m evidence.NAME --help` for every script (run as python -m runs it, from the repo root, in
+    one fresh process so torch is imported once): exit status 0 and the docstring with the script's command."""
+    scripts = evidence_scripts()
+    assert {"run_pipeline", "gen_data", "measure_tau", "bench_draft"} <= set(scripts)  # the glob found them
+    result = subprocess.run(
+        [sys.executable, "-c", HELP_RUNNER, *scripts], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name, (code, out) in json.loads(result.stdout.splitlines()[-1]).items():
+        assert code == 0, (name, code)
+        assert f"evidence.{name}" in out or f"evidence/{name}.py" in out, name  # the command to run it
 
 
 def test_student_from_a_subset_of_teacher_layers(tmp_path):

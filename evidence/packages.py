@@ -1,0 +1,49 @@
+"""Model packages as Hugging Face models, for the evidence scripts that measure or train on them.
+
+A package (model/ format: config.json, quant_config.json, model_int4.safetensors, optional LoRA) is read
+with draft_model's own strict loader and turned into the matching transformers model on exactly the
+weights draft_model computes with, so what the scripts measure is what the server drafts with.
+Not a script: imported by tau.py, gptq_drafter.py, lora_after_gptq.py and run_pipeline.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import checkpoint
+import draft_model
+from evidence import common
+
+
+def dequantized_model(
+    package_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, with_lora: bool = True
+) -> torch.nn.Module:
+    """The package as a Hugging Face model: INT4 dequantized and, when asked, the LoRA adapter merged.
+    Loading is draft_model's, so it is strict and checks the package's checksums."""
+    try:
+        drafter = draft_model.load_model(
+            package_dir, "cpu", torch.float32, weights="dequant", use_lora=with_lora, cache_slots=2, max_context=1
+        )
+    except draft_model.ModelLoadError as error:
+        raise common.UserError(str(error)) from None
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(package_dir), dtype=torch.float32)
+    model.load_state_dict(drafter.hf_state_dict())
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def is_package(path: Path) -> bool:
+    return (path / checkpoint.PACKAGE_QUANT_CONFIG).is_file()
+
+
+def load_any_model(path: Path, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A Hugging Face model directory, or a model package (INT4 dequantized, LoRA merged if present)."""
+    if is_package(path):
+        return dequantized_model(path, device=device, dtype=dtype, with_lora=True)
+    if not (path / "config.json").is_file():
+        raise common.UserError(
+            f"{path} is neither a model directory (config.json) nor a model package ({checkpoint.PACKAGE_QUANT_CONFIG})"
+        )
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
