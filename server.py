@@ -228,9 +228,9 @@ def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastap
 
     def submit(request) -> tuple[PendingDraft, int]:
         """Check one request against the model and queue it; (its pending draft, ids truncated)."""
-        token_ids = request.token_ids
-        start = kept_tokens(token_ids, drafter.max_context, request.max_tokens) if request.truncate else 0
-        problem = draft_model.token_ids_problem(token_ids[start:], drafter.vocab_size, drafter.max_context, vocabulary)
+        start = kept_tokens(request.token_ids, drafter.max_context, request.max_tokens) if request.truncate else 0
+        token_ids = request.token_ids[start:]
+        problem = draft_model.token_ids_problem(token_ids, drafter.vocab_size, drafter.max_context, vocabulary)
         if problem:
             hint = '; send "truncate": true to draft from the most recent ids' if "context limit" in problem else ""
             raise DraftError(400, f"token_ids: {problem}{hint}")
@@ -238,7 +238,7 @@ def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastap
         min_match = settings.lookup_min_match if request.lookup_min_match is None else request.lookup_min_match
         try:
             pending = app.state.batcher.submit(
-                token_ids[start:], request.max_tokens, min_confidence, min_match, request.return_logprobs
+                token_ids, request.max_tokens, min_confidence, min_match, request.return_logprobs
             )
         except Unavailable as reason:
             raise DraftError(503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s") from None
