@@ -126,6 +126,17 @@ def remove_stale_temporaries(directory: Path) -> int:
     return len(stale)
 
 
+def set_dotted(record: dict, key: str, value: Any) -> None:
+    """record["a"]["b"] = value for the key "a.b" (intermediate objects created as needed), so a script can
+    write its part of a shared JSON record (e.g. architecture.json) without touching the rest."""
+    *parents, last = key.split(".")
+    for name in parents:
+        record = record.setdefault(name, {})
+        if not isinstance(record, dict):
+            raise UserError(f"record key {key}: {name!r} in the record is not a JSON object")
+    record[last] = value
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

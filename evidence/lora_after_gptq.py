@@ -46,8 +46,15 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, ta
     return get_peft_model(model, config)
 
 
-def write_adapter(peft_model: torch.nn.Module, package_dir: Path, base_name: str) -> None:
-    """PEFT's adapter files, renamed to the package's names, each written atomically."""
+def write_adapter(
+    peft_model: torch.nn.Module, package_dir: Path, base_name: str, store_dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """PEFT's adapter files, renamed to the package's names, each written atomically. The LoRA matrices are
+    stored in `store_dtype` (cast in place: training is over, and what is measured next is the package)."""
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.data = parameter.data.to(store_dtype)
     with tempfile.TemporaryDirectory(dir=package_dir.parent) as staging:
         peft_model.save_pretrained(staging, safe_serialization=True)
         config = json.loads((Path(staging) / "adapter_config.json").read_text())
@@ -71,6 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--target-modules", nargs="+", default=list(PROJECTIONS))
+    parser.add_argument(
+        "--store-dtype", choices=("bfloat16", "float32"), default="bfloat16", help="dtype of the stored LoRA matrices"
+    )
     parser.add_argument("--device", default=None)
     add_train_arguments(parser, TrainSettings(lr=1e-4))
     return parser.parse_args(argv)
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     peft_model = add_lora(model, args.rank, args.alpha, args.dropout, args.target_modules)
     result = train(peft_model, train_examples, holdout, settings, logger)
     card = common.read_json(args.package / checkpoint.PACKAGE_MODEL_CARD, "model card")
-    write_adapter(peft_model, args.package, card.get("name", "drafter-int4"))
+    write_adapter(peft_model, args.package, card.get("name", "drafter-int4"), getattr(torch, args.store_dtype))
     written = dequantized_model(args.package, device=device, with_lora=True)
     after = offline_tau(written, holdout, settings.k, settings.eval_batch_size, progress=False)
     report = {
@@ -106,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
             "lora_alpha": args.alpha,
             "lora_dropout": args.dropout,
             "target_modules": args.target_modules,
+            "store_dtype": args.store_dtype,
         },
         "settings": asdict(settings),
         **result,

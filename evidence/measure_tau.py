@@ -31,8 +31,8 @@ the target's own greedy answer to the first). Messages are encoded with the chat
 
 Writes: a table on stdout; with --json OUT, the report to OUT (atomically) and a log beside it; with --plot
 PNG, the acceptance curves and tau of every drafter (matplotlib); with --record FILE, the table (no
-outputs) and the command under the key "measured_tau" of that JSON record (e.g. architecture.json),
-leaving its other keys as they are.
+outputs) and the command under the key "measured_tau" (or --record-key, e.g. shipped_package.measured_tau
+for architecture.json) of that JSON record, leaving its other keys as they are.
 Exit status: 0; 2 for a user error; 1 when --check finds a committed token that differs from the
 target's greedy output (each mismatch is logged with prompt index, position and both tokens).
 
@@ -364,16 +364,13 @@ def plot(report: dict, path: Path) -> None:
     pyplot.close(figure)
 
 
-def write_record(path: Path, report: dict, argv: list[str] | None) -> None:
-    """The report without per-prompt outputs, and the command, as the key "measured_tau" of a JSON record."""
+def write_record(path: Path, report: dict, argv: list[str] | None, key: str = "measured_tau") -> None:
+    """The report without per-prompt outputs, and the command, under `key` of a JSON record (dots nest)."""
     record = common.read_json(path, "record") if path.exists() else {}
     runs = [{key: value for key, value in run.items() if key != "outputs"} for run in report["runs"]]
     command = "python -m evidence.measure_tau " + shlex.join(sys.argv[1:] if argv is None else argv)
-    record["measured_tau"] = {
-        **{key: value for key, value in report.items() if key != "runs"},
-        "runs": runs,
-        "command": command,
-    }
+    table = {name: value for name, value in report.items() if name != "runs"}
+    common.set_dotted(record, key, {**table, "runs": runs, "command": command})
     common.atomic_write_json(path, record)
 
 
@@ -496,6 +493,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help='put the table under "measured_tau" in this JSON record (e.g. architecture.json)',
+    )
+    parser.add_argument(
+        "--record-key",
+        default="measured_tau",
+        help="key for --record; dots nest it (architecture.json: shipped_package.measured_tau)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
@@ -706,7 +708,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json is not None:
         common.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.record is not None:
-        write_record(args.record, report, argv)
+        write_record(args.record, report, argv, args.record_key)
     if args.plot is not None:
         plot(report, args.plot)
     if any(run["check"] == "FAILED" for run in report["runs"]):

@@ -31,12 +31,14 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import logging
 import platform
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -52,6 +54,7 @@ from evidence import (
     gptq_drafter,
     lora_after_gptq,
     magpie_prompts,
+    pipeline_checks,
     prepare_prompts,
     train_drafter,
 )
@@ -64,7 +67,7 @@ SCRIPTS = {  # the evidence script behind each stage, run in this process (or un
     module.__name__.rpartition(".")[2]: module
     for module in (prepare_prompts, add_aya, magpie_prompts, gen_data, train_drafter, gptq_drafter, lora_after_gptq)
 }
-RECORD_KEY = "evidence_pipeline"
+RECORD_KEY = "evidence_pipeline"  # default key of the record; a dotted key nests it ("full_scale.evidence_pipeline")
 
 
 def flags(settings: dict, skip: tuple[str, ...] = ()) -> list[str]:
@@ -83,20 +86,27 @@ def flags(settings: dict, skip: tuple[str, ...] = ()) -> list[str]:
     return argv
 
 
-def model_flags(role: str, spec: dict, override: Path | None, option: str) -> list[str]:
-    """--teacher X [--teacher-revision R]: a local directory override, or the config's pinned hub id."""
+UNLOCKED = "UNLOCKED"  # stands for a revision in a plan printed before --lock has pinned it
+
+
+def model_flags(role: str, spec: dict, override: Path | None, option: str, plan: bool = False) -> list[str]:
+    """--teacher X [--teacher-revision R]: a local directory override, or the config's pinned hub id
+    (an unpinned one is refused, except in a plan, which shows it as UNLOCKED)."""
     if override is not None:
         if not override.is_dir():
             raise common.UserError(f"--{role} {override} is not a directory")
         return [f"--{option}", str(override)]
     if not spec or not spec.get("repo"):
         raise common.UserError(f"the config names no {role} model; give --{role} DIR or set {role}.repo")
+    if plan and not common.COMMIT_HASH.match(str(spec.get("revision"))):
+        return [f"--{option}", spec["repo"], f"--{option}-revision", UNLOCKED]
     common.resolve_model(spec["repo"], spec.get("revision"))  # refuses an unpinned hub id
     return [f"--{option}", spec["repo"], f"--{option}-revision", spec["revision"]]
 
 
-def lock_models(config_path: Path, config: dict, logger) -> None:
-    """Resolve each hub model's revision (a commit hash) and write it into the config file."""
+def lock_models(config_path: Path, config: dict, logger, architecture: Path | None = None) -> None:
+    """Resolve each hub model's revision (a commit hash) and write it into the config file, and into the
+    architecture record's section that declares this base (its base_model / target_model / tokenizer)."""
     for role in ("teacher", "base", "tokenizer"):
         spec = config.get(role) or {}
         if spec.get("repo") and not common.COMMIT_HASH.match(str(spec.get("revision"))):
@@ -105,7 +115,29 @@ def lock_models(config_path: Path, config: dict, logger) -> None:
             except Exception as error:
                 raise common.UserError(f"cannot resolve {spec['repo']} on the hub to lock it: {error}") from None
             logger.info("locked %s %s at %s", role, spec["repo"], spec["revision"])
-    common.atomic_write_json(config_path, config)
+    common.atomic_write_json(config_path, {k: v for k, v in config.items() if not k.startswith("_")})
+    if architecture is None or not architecture.exists():
+        return
+    record = common.read_json(architecture, "architecture record")
+    section = pipeline_checks.declared_section(record, (config.get("base") or {}).get("repo"))
+    for role, key in (("base", "base_model"), ("teacher", "target_model"), ("tokenizer", "tokenizer")):
+        spec = config.get(role) or {}
+        if section is not None and isinstance(section.get(key), dict) and section[key].get("repo") == spec.get("repo"):
+            section[key].update(revision=spec["revision"], locked=True)
+    common.atomic_write_json(architecture, record)
+
+
+@dataclass
+class Stage:
+    name: str
+    module: str  # the evidence script
+    argv: list[str]
+    inputs: list  # paths, or model names with revisions
+    outputs: list[Path]  # the first is where the script writes (its JSON report lies beside it)
+    launcher: list[str] | None = None  # e.g. torchrun; default: in this process
+
+    def command(self) -> list[str]:
+        return (self.launcher or ["python"]) + ["-m", f"evidence.{self.module}", *self.argv]  # from the repo root
 
 
 class Pipeline:
@@ -121,8 +153,9 @@ class Pipeline:
     def path(self, name: str) -> Path:
         return self.work / name
 
-    def portable(self, argv: list[str]) -> str:
-        """The command with this machine's directories replaced by placeholders, for the record."""
+    def portable(self, argv: list[str], separator: str | None = None) -> str:
+        """The command (or, with a separator, the list of paths) with this machine's directories replaced
+        by placeholders, for the record and the plan."""
         places = {
             self.work: "WORK",
             self.args.out: "OUT",
@@ -134,41 +167,51 @@ class Pipeline:
             self.args.tokenizer: "TOKENIZER",
             self.args.eval_prompts: "EVAL_PROMPTS",
         }
-        text = shlex.join(argv)
+        text = shlex.join(argv) if separator is None else separator.join(argv)
         for place, name in sorted(
             ((str(p), n) for p, n in places.items() if p is not None), key=lambda item: -len(item[0])
         ):
             text = text.replace(place, name)
         return text
 
-    def run_stage(
-        self, stage: str, module: str, argv: list[str], outputs: list[Path], launcher: list[str] | None = None
-    ) -> dict:
-        """Run `module`.main(argv) unless the same command already completed with its outputs present."""
-        command = (launcher or ["python"]) + ["-m", f"evidence.{module}", *argv]  # run from the repo root
+    def run_stage(self, stage: Stage) -> dict:
+        """Run the stage's script unless the same command already completed with its outputs present."""
+        command = stage.command()
         self.commands.append(self.portable(command))
-        if self.args.from_stage == stage:
+        if self.args.from_stage == stage.name:
             self.rerun = True
-        done = self.state.get(stage, {})
-        if not self.rerun and done.get("argv") == argv and all(p.exists() for p in outputs):
-            self.logger.info("stage %s: unchanged, skipped", stage)
-            self.reports[stage] = done["report"]
+        done = self.state.get(stage.name, {})
+        if not self.rerun and done.get("argv") == stage.argv and all(p.exists() for p in stage.outputs):
+            self.logger.info("stage %s: unchanged, skipped", stage.name)
+            self.reports[stage.name] = done["report"]
             return done["report"]
         self.rerun = True  # everything downstream of a rerun stage runs again
-        self.logger.info("stage %s: %s", stage, shlex.join(command))
+        self.logger.info("stage %s: %s", stage.name, shlex.join(command))
         started = time.time()
-        if launcher:
+        if stage.launcher:
             result = subprocess.run(command, cwd=common.REPO_ROOT)
             if result.returncode != 0:
-                raise common.UserError(f"stage {stage} failed (exit {result.returncode}): {shlex.join(command)}")
-            report = json.loads(common.log_path_beside(outputs[0], module).with_suffix(".json").read_text())
+                raise common.UserError(f"stage {stage.name} failed (exit {result.returncode}): {shlex.join(command)}")
+            report = json.loads(common.log_path_beside(stage.outputs[0], stage.module).with_suffix(".json").read_text())
         else:
-            report = SCRIPTS[module].main(argv)
-        self.logger.info("stage %s done in %.1f s", stage, time.time() - started)
-        self.state[stage] = {"argv": argv, "report": report, "seconds": round(time.time() - started, 1)}
+            report = SCRIPTS[stage.module].main(stage.argv)
+        self.logger.info("stage %s done in %.1f s", stage.name, time.time() - started)
+        self.state[stage.name] = {"argv": stage.argv, "report": report, "seconds": round(time.time() - started, 1)}
         common.atomic_write_json(self.state_path, self.state)
-        self.reports[stage] = report
+        self.reports[stage.name] = report
         return report
+
+    def model(self, role: str, option: str | None = None) -> list[str]:
+        override = getattr(self.args, role)
+        return model_flags(role, self.config.get(role), override, option or role, plan=self.args.plan)
+
+    def model_input(self, role: str) -> str:
+        """A model as a stage input: the local directory, or repo@revision."""
+        override = getattr(self.args, role)
+        if override is not None:
+            return str(override)
+        spec = self.config.get(role) or self.config.get("teacher") or {}
+        return f"{spec.get('repo')}@{spec.get('revision') or UNLOCKED}"
 
     def source_flags(self) -> list[str]:
         argv = ["--manifest", str(self.args.manifest)]
@@ -182,102 +225,124 @@ class Pipeline:
 
     def tokenizer_flags(self) -> list[str]:
         tokenizer = self.config.get("tokenizer") or self.config.get("teacher")
-        return model_flags("tokenizer", tokenizer, self.args.tokenizer, "tokenizer")
+        return model_flags("tokenizer", tokenizer, self.args.tokenizer, "tokenizer", plan=self.args.plan)
 
-    def run(self) -> dict:
+    def stages(self) -> list[Stage]:
+        """Every stage, in order, with its exact command line, inputs and outputs."""
         config, k = self.config, str(self.config["k"])
         prompts_cfg, aya_cfg, magpie_cfg = config["prompts"], config.get("aya"), config.get("magpie")
         template = flags({key: prompts_cfg.get(key) for key in ("enable_thinking", "max_prompt_tokens")})
-        teacher = model_flags("teacher", config.get("teacher"), self.args.teacher, "teacher")
+        teacher, teacher_in = self.model("teacher"), self.model_input("teacher")
         steps = ["base"] + ["aya"] * bool(aya_cfg) + ["magpie"] * bool(magpie_cfg)  # each prompt stage extends the last
         written = [self.path(f"prompts_{step}.jsonl") for step in steps[:-1]] + [self.path("prompts.jsonl")]
-        self.run_stage(
-            "prompts",
-            "prepare_prompts",
-            [*self.source_flags(), *flags(prompts_cfg), "--out", str(written[0])],
-            [written[0]],
-        )
+        manifest = f"{self.args.manifest} ({', '.join(prompts_cfg['sources'])})"
+        stages = [
+            Stage(
+                "prompts",
+                "prepare_prompts",
+                [*self.source_flags(), *flags(prompts_cfg), "--out", str(written[0])],
+                [manifest],
+                [written[0]],
+            )
+        ]
         if aya_cfg:
-            aya_argv = [
-                "--prompts",
-                str(written[0]),
-                *self.source_flags(),
-                *template,
-                *flags(aya_cfg),
-                "--out",
-                str(written[1]),
-            ]
-            self.run_stage("aya", "add_aya", aya_argv, [written[1]])
+            aya_argv = ["--prompts", str(written[0]), *self.source_flags(), *template, *flags(aya_cfg)]
+            stages.append(Stage("aya", "add_aya", [*aya_argv, "--out", str(written[1])], [written[0]], [written[1]]))
         if magpie_cfg:
             exclude = ["--exclude", str(self.args.eval_prompts)] if self.args.eval_prompts else []
             if magpie_cfg.get("categories"):  # a file named relative to the config that names it
                 magpie_cfg = magpie_cfg | {"categories": str(self.args.config.parent / magpie_cfg["categories"])}
             magpie_argv = [
-                "--prompts",
-                str(written[-2]),
-                *exclude,
-                *teacher,
-                *self.tokenizer_flags(),
-                *template,
-                *flags(magpie_cfg),
-                "--out",
-                str(written[-1]),
+                *["--prompts", str(written[-2]), *exclude, *teacher, *self.tokenizer_flags(), *template],
+                *[*flags(magpie_cfg), "--out", str(written[-1])],
             ]
-            self.run_stage("magpie", "magpie_prompts", magpie_argv, [written[-1]])
-        prompts = written[-1]
-        if self.args.eval_prompts:
-            check_disjoint(prompts, self.args.eval_prompts)
-
-        data = self.path("data")
-        self.run_stage(
-            "data",
-            "gen_data",
-            ["--prompts", str(prompts), *teacher, "--out", str(data), *flags(config["gen_data"])],
-            [data / "index.json"],
-        )
+            stages.append(Stage("magpie", "magpie_prompts", magpie_argv, [written[-2], teacher_in], [written[-1]]))
+        prompts, data = written[-1], self.path("data")
+        data_argv = ["--prompts", str(prompts), *teacher, "--out", str(data), *flags(config["gen_data"])]
+        stages.append(Stage("data", "gen_data", data_argv, [prompts, teacher_in], [data / "index.json"]))
 
         student = self.path("student")
         train_cfg = dict(config["train"])
         processes = int(train_cfg.pop("nproc_per_node", 1))
         launcher = ["torchrun", f"--nproc_per_node={processes}"] if processes > 1 else None
-        base = model_flags("base", config.get("base"), self.args.base, "base")
-        train_argv = [*base, "--data", str(data), "--out", str(student), "--k", k, *flags(train_cfg)]
-        self.run_stage("distill", "train_drafter", train_argv, [student], launcher)
+        train_argv = [*self.model("base"), "--data", str(data), "--out", str(student), "--k", k, *flags(train_cfg)]
+        stages.append(
+            Stage("distill", "train_drafter", train_argv, [self.model_input("base"), data], [student], launcher)
+        )
 
-        package = self.path("package")
-        card = self.path("model_card_fields.json")
-        common.atomic_write_json(card, {"description": config.get("description", ""), **config.get("model_card", {})})
+        package, card = self.path("package"), self.path("model_card_fields.json")
         gptq_argv = [
-            "--student",
-            str(student),
-            "--data",
-            str(data),
-            "--out",
-            str(package),
-            "--k",
-            k,
-            "--name",
-            config["name"],
-            "--card",
-            str(card),
-            *flags(config["gptq"]),
+            *["--student", str(student), "--data", str(data), "--out", str(package), "--k", k],
+            *["--name", config["name"], "--card", str(card), *flags(config["gptq"])],
         ]
-        self.run_stage("gptq", "gptq_drafter", gptq_argv, [package])
+        stages.append(Stage("gptq", "gptq_drafter", gptq_argv, [student, data], [package]))
         lora_argv = ["--package", str(package), "--data", str(data), "--k", k, *flags(config["lora"])]
-        self.run_stage("lora", "lora_after_gptq", lora_argv, [package / checkpoint.PACKAGE_LORA_WEIGHTS])
-
+        lora_out = package / checkpoint.PACKAGE_LORA_WEIGHTS
+        stages.append(Stage("lora", "lora_after_gptq", lora_argv, [package, data], [lora_out]))
         if self.args.eval_prompts:  # last: nothing trained depends on it
             eval_data = self.path("eval_data")
             eval_argv = [
-                "--prompts",
-                str(self.args.eval_prompts),
-                *teacher,
-                "--out",
-                str(eval_data),
+                *["--prompts", str(self.args.eval_prompts), *teacher, "--out", str(eval_data)],
                 *flags(config["gen_data"] | {"holdout_fraction": 1.0}),
             ]
-            self.run_stage("eval_data", "gen_data", eval_argv, [eval_data / "index.json"])
-        return self.finish(package, data)
+            stages.append(
+                Stage(
+                    "eval_data", "gen_data", eval_argv, [self.args.eval_prompts, teacher_in], [eval_data / "index.json"]
+                )
+            )
+        return stages
+
+    def run(self) -> dict:
+        config = self.config
+        common.atomic_write_json(
+            self.path("model_card_fields.json"),
+            {"description": config.get("description", ""), **config.get("model_card", {})},
+        )
+        for stage in self.stages():
+            if stage.name == "data" and self.args.eval_prompts:  # never train on what is measured
+                check_disjoint(self.path("prompts.jsonl"), self.args.eval_prompts)
+            self.run_stage(stage)
+        return self.finish(self.path("package"), self.path("data"))
+
+    def plan(self) -> dict:
+        """Print every stage (command, inputs, outputs, hardware) and the offline checks; run nothing."""
+        hardware = self.config.get("hardware", {})
+        stages = self.stages()
+        lines = [f"plan: {self.config['name']} ({self.args.config})", ""]
+        for number, stage in enumerate(stages, 1):
+            lines += [
+                f"[{number}/{len(stages) + 1}] {stage.name} ({stage.module}.py)",
+                f"  command : {self.portable(stage.command())}",
+                f"  inputs  : {self.portable([str(i) for i in stage.inputs], ', ')}",
+                f"  outputs : {self.portable([str(o) for o in stage.outputs], ', ')}",
+                f"  hardware: {hardware.get(stage.name, 'not stated in the config')}",
+            ]
+        lines += [
+            f"[{len(stages) + 1}/{len(stages) + 1}] package (in run_pipeline)",
+            "  command : copy WORK/package to OUT; draft_model.load_model(OUT) drafts = the measured model's; write the record",
+            f"  inputs  : {self.portable([str(self.path('package'))], ', ')}",
+            f"  outputs : {self.portable([str(self.args.out), str(self.args.architecture or self.path('architecture.json'))], ', ')}",
+            f"  hardware: {hardware.get('package', 'not stated in the config')}",
+            "",
+        ]
+        checks, unlocked = self.plan_checks()
+        lines += [f"  {'ok  ' if c.ok else ('FAIL' if c.fatal else 'warn')} {c.name}: {c.detail}" for c in checks]
+        lines += [f"  not locked yet (--lock with hub access pins it): {item}" for item in unlocked]
+        print("\n".join(lines))
+        failed = [c.name for c in checks if c.fatal and not c.ok]
+        if failed:
+            raise common.UserError(f"the config fails {len(failed)} check(s): {', '.join(failed)}")
+        return {"stages": [s.name for s in stages], "checks": [asdict(c) for c in checks], "unlocked": unlocked}
+
+    def plan_checks(self) -> tuple[list, list[str]]:
+        record_path = self.args.architecture or common.REPO_ROOT / "architecture.json"
+        record = common.read_json(record_path, "architecture record") if record_path.exists() else {}
+        shape, source = pipeline_checks.base_shape(self.config, self.args.base, record)
+        section = pipeline_checks.declared_section(record, (self.config.get("base") or {}).get("repo"))
+        declared = (section or {}).get("package_inventory") if self.args.base is None else None
+        checks, unlocked = pipeline_checks.check_config(self.config, shape, self.args.manifest, declared)
+        shape_check = pipeline_checks.Check("base shape", True, f"from {self.portable([source], '')}")
+        return [shape_check, *checks], unlocked
 
     def finish(self, package: Path, data: Path) -> dict:
         """Copy the package to --out, check it loads strictly and drafts what was measured, write the record."""
@@ -295,7 +360,7 @@ class Pipeline:
             record["eval"] = self.measure_eval_set(package)
         path = self.args.architecture or self.path("architecture.json")
         existing = common.read_json(path, "architecture record") if path.exists() else {}
-        existing[RECORD_KEY] = record
+        common.set_dotted(existing, self.args.record_key, record)
         common.atomic_write_json(path, existing)
         self.logger.info("architecture record: %s", path)
         return record
@@ -447,9 +512,19 @@ def load_config(path: Path) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="pipeline config (evidence/configs/*.json)")
-    parser.add_argument("--work", type=Path, required=True, help="directory for every intermediate output")
     parser.add_argument(
-        "--out", type=Path, required=True, help="model package directory to write (model/ only when asked)"
+        "--work", type=Path, default=None, help="directory for every intermediate output (required unless --plan)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="model package directory to write (model/ only when asked; required unless --plan)",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print every stage (command, inputs, outputs, hardware) and check the config offline; run nothing",
     )
     parser.add_argument("--manifest", type=Path, default=common.REPO_ROOT / "data_manifest.json")
     parser.add_argument(
@@ -477,6 +552,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--architecture", type=Path, default=None, help="architecture record to update (default WORK/architecture.json)"
     )
+    parser.add_argument(
+        "--record-key",
+        default=RECORD_KEY,
+        help="key of the record in --architecture; dots nest it (e.g. shipped_package.evidence_pipeline)",
+    )
     parser.add_argument("--from-stage", choices=STAGES, default=None, help="rerun this stage and every later one")
     parser.add_argument("--force", action="store_true", help="rerun every stage")
     return parser.parse_args(argv)
@@ -484,6 +564,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.plan:
+        return plan(args)
+    if args.work is None or args.out is None:
+        raise common.UserError("--work and --out are required (only --plan runs without them)")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.out.resolve() == (common.REPO_ROOT / "model").resolve():
         print("note: writing the package over the repo's model/ directory", file=sys.stderr)
@@ -491,9 +575,17 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("command: python -m evidence.run_pipeline %s", " ".join(sys.argv[1:] if argv is None else argv))
     config = load_config(args.config)
     if args.lock:
-        lock_models(args.config, config, logger)
+        lock_models(args.config, config, logger, args.architecture)
     config["_config_file"] = args.config.name
     return Pipeline(args, config, logger).run()
+
+
+def plan(args: argparse.Namespace) -> dict:
+    """--plan: placeholders for the directories not given, no log, no state, nothing fetched."""
+    args.work, args.out = args.work or Path("WORK"), args.out or Path("OUT")
+    config = load_config(args.config)
+    config["_config_file"] = args.config.name
+    return Pipeline(args, config, logging.getLogger("run_pipeline.plan")).plan()
 
 
 if __name__ == "__main__":

@@ -122,6 +122,40 @@ def test_ngram_baseline_runs(models, tmp_path):
     assert run["tau"] > 1.0  # some lookups were accepted: the replay above compared real drafts
 
 
+def test_category_replay_equals_the_live_harness(models, tmp_path):
+    """evidence/category_tau.py replays model, prompt-lookup and hybrid drafting offline from the target's
+    greedy continuations; its counts must equal the live loop's for each drafter."""
+    from evidence.category_tau import category_table
+    from evidence.tau import teacher_forced_argmax
+
+    report = run_harness(
+        models, tmp_path, "--drafter", str(models["close_dir"]), "--hybrid", "2", "--baselines", "ngram"
+    )
+    live = {}
+    for run in report["runs"]:
+        name = (
+            "prompt_lookup"
+            if run["drafter"].startswith("ngram")
+            else "hybrid"
+            if "hybrid" in run["drafter"]
+            else "model"
+        )
+        live[name] = (run["committed_tokens"], run["verify_steps"])
+    eos = sorted(measure_tau.eos_token_ids(models["target"]))
+    generations = generate_transformers(models["target"], PROMPTS, max_new_tokens=MAX_NEW_TOKENS, top_k=5, eos_ids=eos)
+    examples = [
+        {"id": str(i), "prompt_ids": torch.tensor(prompt), "tokens": tokens, "topk_ids": ids, "topk_logprobs": logprobs}
+        for i, (prompt, (tokens, ids, logprobs)) in enumerate(zip(PROMPTS, generations))
+    ]
+    predictions = teacher_forced_argmax(models["close"], examples, progress=False)
+    categories = {str(i): "even" if i % 2 == 0 else "odd" for i in range(len(PROMPTS))}
+    table = category_table(examples, categories, predictions, K, hybrid=2)
+    assert {name: (row["committed"], row["steps"]) for name, row in table["all"].items()} == live
+    assert set(table) == {"even", "odd", "all"}
+    assert table["even"]["model"]["steps"] + table["odd"]["model"]["steps"] == table["all"]["model"]["steps"]
+    assert live["hybrid"] != live["model"]  # lookups were taken: the hybrid rule was exercised
+
+
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert measure_tau.ngram_drafter([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3) == [
         5,

@@ -18,6 +18,7 @@ from tiny_models import make_hf_model, write_hf_checkpoint
 
 import draft_model
 from evidence import common, prepare_prompts, run_pipeline
+from evidence.inventory import file_inventory, package_inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "evidence" / "configs" / "tiny.json"
@@ -147,6 +148,42 @@ def test_end_to_end_package_loads_strictly_and_drafts(pipeline_run):
     )  # packed: the head's rows are the table
     card = json.loads((out / "model_card.json").read_text())
     assert card["name"] == "tiny-test-drafter" and card["random_weights"] is True
+
+
+def test_package_holds_exactly_the_inventory_its_settings_make(inputs, pipeline_run):
+    """The shape arithmetic that declares the full-scale inventory (evidence/inventory.py) against what the
+    pipeline's writers really wrote: every tensor, dtype and shape, the bf16 LoRA matrices included."""
+    config = json.loads(TINY_CONFIG.read_text())
+    gptq, lora = config["gptq"], config["lora"]
+    expected = package_inventory(
+        json.loads((inputs["base"] / "config.json").read_text()),
+        gptq["group_size"],
+        getattr(torch, gptq["store_dtype"]),
+        gptq["embedding_group_size"],
+        lora["rank"],
+    )
+    assert file_inventory(pipeline_run["out"]) == expected
+    assert {dtype for dtype, _ in expected["lora.safetensors"].values()} == {"BF16"}
+
+
+def test_plan_of_a_local_run_checks_the_local_base(inputs, tmp_path, capsys):
+    summary = run_pipeline.main([*pipeline_argv(inputs, tmp_path / "work", tmp_path / "out"), "--plan"])
+    out = capsys.readouterr().out
+    assert summary["stages"] == ["prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data"]
+    assert "from BASE/config.json" in out and all(check["ok"] for check in summary["checks"] if check["fatal"])
+    assert not (tmp_path / "work").exists()  # a plan writes nothing
+
+
+def test_records_nest_under_a_dotted_key():
+    record = {"shipped_package": {"model_bytes": 1}}
+    common.set_dotted(record, "shipped_package.measured_tau", {"tau": 1.5})
+    common.set_dotted(record, "full_scale.evidence_pipeline", {"k": 16})
+    assert record == {
+        "shipped_package": {"model_bytes": 1, "measured_tau": {"tau": 1.5}},
+        "full_scale": {"evidence_pipeline": {"k": 16}},
+    }
+    with pytest.raises(common.UserError, match="not a JSON object"):
+        common.set_dotted(record, "shipped_package.model_bytes.x", 2)
 
 
 def test_end_to_end_record_reports_every_stage(pipeline_run):

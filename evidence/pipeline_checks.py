@@ -1,0 +1,179 @@
+"""Offline checks of a pipeline config against the shape of its base model: what `run_pipeline.py --plan`
+verifies before anything is downloaded or computed (group sizes, INT4 kernel eligibility, LoRA targets,
+declared datasets, the tensor inventory architecture.json declares).
+
+The shape comes from a local base directory's config.json, or, for a hub base, from the section of
+architecture.json that declares that base (its "model" fields): nothing is fetched.
+Not a script: imported by run_pipeline.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import int4
+from evidence import common
+from evidence.inventory import PROJECTIONS, compact, package_inventory
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fatal: bool = True  # a failed non-fatal check is a warning (e.g. a layer the INT4 kernel cannot take)
+
+
+def declared_section(architecture: dict, base_repo: str | None) -> dict | None:
+    """The section of an architecture record whose base model is `base_repo` (e.g. "full_scale")."""
+    for section in architecture.values():
+        if isinstance(section, dict) and (section.get("base_model") or {}).get("repo") == base_repo:
+            return section
+    return None
+
+
+def base_shape(config: dict, base_dir: Path | None, architecture: dict) -> tuple[dict, str]:
+    """The base model's HF config fields and where they came from."""
+    if base_dir is not None:
+        return common.read_json(base_dir / "config.json", "base model config"), f"{base_dir}/config.json"
+    repo = (config.get("base") or {}).get("repo")
+    section = declared_section(architecture, repo)
+    if section is None or "model" not in section:
+        raise common.UserError(
+            f"no shape for the base model {repo!r} offline: give --base DIR or declare it in the architecture record"
+        )
+    return section["model"], f"architecture record (base {repo})"
+
+
+def projection_inputs(shape: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of one decoder layer."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def quantization_checks(shape: dict, gptq: dict) -> list[Check]:
+    group = gptq.get("group_size", 128)
+    shapes = projection_inputs(shape)
+    bad_in = sorted({i for i, _ in shapes.values() if i % group})
+    bad_out = sorted({o for _, o in shapes.values() if o % 16})
+    reorders = gptq.get("act_order") and not gptq.get("static_groups")
+    checks = [
+        Check(
+            "group size divides every projection's inputs",
+            not bad_in,
+            f"group {group}; inputs {sorted({i for i, _ in shapes.values()})}",
+        ),
+        Check(
+            "outputs pack into int32 qzeros and the kernel's blocks",
+            not bad_out,
+            f"outputs not a multiple of 16: {bad_out}" if bad_out else "all multiples of 16",
+        ),
+        Check(
+            "layers can use the packed INT4 kernel",
+            group in int4.INT4_KERNEL_GROUP_SIZES and not reorders,
+            f"group {group} (kernel takes {int4.INT4_KERNEL_GROUP_SIZES}); act-order {'reorders g_idx: dense fallback' if reorders else 'keeps g_idx = k // G'}",
+            fatal=False,
+        ),
+    ]
+    embedding = gptq.get("embedding_group_size")
+    if embedding:
+        tied, hidden, vocab = shape.get("tie_word_embeddings", False), shape["hidden_size"], shape["vocab_size"]
+        checks.append(
+            Check(
+                "INT4 embedding table",
+                bool(tied) and hidden % embedding == 0,
+                f"group {embedding} of hidden {hidden}, tied {tied}, vocab {vocab} (kernel rows need vocab % 64 == 0: {vocab % 64 == 0})",
+            )
+        )
+    return checks
+
+
+def lora_checks(shape: dict, lora: dict) -> list[Check]:
+    targets = lora.get("target_modules", list(PROJECTIONS))
+    unknown = sorted(set(targets) - set(PROJECTIONS))
+    rank = lora.get("rank", 16)
+    smallest = min(min(pair) for pair in projection_inputs(shape).values())
+    return [
+        Check(
+            "LoRA targets are projections",
+            not unknown,
+            f"targets {targets}" + (f"; unknown {unknown}" if unknown else ""),
+        ),
+        Check(
+            "LoRA rank below every projection's size",
+            1 <= rank < smallest,
+            f"rank {rank}, smallest dimension {smallest}",
+        ),
+    ]
+
+
+def dataset_checks(config: dict, manifest_path: Path) -> tuple[list[Check], list[str]]:
+    """Every prompt source declared as a train split; the names of entries still to lock."""
+    manifest = common.load_manifest(manifest_path)
+    checks, unlocked = [], []
+    names = list(config["prompts"]["sources"]) + ([config["aya"]["source"]] if config.get("aya") else [])
+    for name in names:
+        try:
+            entry = common.dataset_entry(manifest, name)
+            common.check_train_split(name, entry)
+        except common.UserError as error:
+            checks.append(Check(f"dataset {name}", False, str(error)))
+            continue
+        checks.append(
+            Check(f"dataset {name}", True, f"{entry.get('repo') or entry.get('artifact')} split {entry.get('split')}")
+        )
+        if entry.get("kind") == "hub_dataset" and not entry.get("locked"):
+            unlocked.append(f"dataset {name} ({entry['repo']})")
+    return checks, unlocked
+
+
+def inventory_check(shape: dict, config: dict, declared: dict | None) -> Check:
+    """The package these settings make at this shape, against the inventory the record declares."""
+    gptq, lora = config["gptq"], config["lora"]
+    made = compact(
+        package_inventory(
+            shape,
+            gptq.get("group_size", 128),
+            getattr(torch, gptq.get("store_dtype", "bfloat16")),
+            gptq.get("embedding_group_size"),
+            lora.get("rank", 16),
+            tuple(lora.get("target_modules", PROJECTIONS)),
+            getattr(torch, lora.get("store_dtype", "bfloat16")),
+        )
+    )
+    summary = ", ".join(f"{file}: {spec['tensors']} tensors, {spec['bytes']:,} bytes" for file, spec in made.items())
+    if declared is None:
+        return Check("package inventory", True, f"{summary} (no declaration to compare)", fatal=False)
+    return Check("package inventory equals the declared one", made == declared, summary)
+
+
+def check_config(
+    config: dict, shape: dict, manifest_path: Path, declared_inventory: dict | None
+) -> tuple[list[Check], list[str]]:
+    """All checks, and what is still unlocked (models and datasets), for the plan."""
+    checks = [Check("k", isinstance(config["k"], int) and config["k"] >= 1, f"k = {config['k']}")]
+    fraction = config["gen_data"].get("holdout_fraction", 0.01)
+    checks.append(Check("holdout fraction", 0 < fraction < 1, f"{fraction}"))
+    checks += quantization_checks(shape, config["gptq"])
+    checks += lora_checks(shape, config["lora"])
+    data_checks, unlocked = dataset_checks(config, manifest_path)
+    checks += data_checks
+    checks.append(inventory_check(shape, config, declared_inventory))
+    for role in ("teacher", "base", "tokenizer"):
+        spec = config.get(role) or {}
+        if spec.get("repo") and not common.COMMIT_HASH.match(str(spec.get("revision"))):
+            unlocked.append(f"{role} {spec['repo']} (revision {spec.get('revision')})")
+    return checks, unlocked
