@@ -360,7 +360,7 @@ def load_drafter(settings: ServerSettings) -> draft_model.Drafter:
     """Check that the configuration fits in memory, load the model and draft once (a broken model fails
     here, and the first client is not the warm-up). Raises ConfigError with one line for the operator."""
     try:
-        problem = server_settings.memory_problem(settings)
+        problem = server_settings.port_problem(settings.host, settings.port) or server_settings.memory_problem(settings)
         if problem:
             raise ConfigError(problem)
         drafter = draft_model.load_model(

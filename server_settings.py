@@ -7,6 +7,7 @@ served, and whether the weights plus the KV cache fit in the memory available.
 
 import argparse
 import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -238,6 +239,19 @@ def startup_summary(identity: dict, settings: ServerSettings, load_seconds: floa
         f"cache_slots {identity['cache_slots']}, max_batch_size {settings.max_batch_size}, "
         f"threads {torch.get_num_threads()}, auth {'on' if settings.api_key else 'off'}"
     )
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, found before the model is loaded; None when it can.
+    (The port may still be taken in the moment between this check and uvicorn's bind: uvicorn then says so.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return f"--port {port}: cannot listen on {host}:{port} ({error.strerror}); choose another --port or --host"
+    return None
 
 
 # ----------------------------------------------------------------------------- memory

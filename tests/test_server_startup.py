@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,16 @@ def test_the_sizes_proposed_are_the_largest_that_fit(tiny_checkpoint: Path, monk
     assert fits(cache_slots=largest_slots) and not fits(cache_slots=largest_slots + 1)
     assert fits(cache_slots=4096, max_context=largest_context)
     assert not fits(cache_slots=4096, max_context=largest_context + 1)
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(repo_root: Path, tiny_checkpoint: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_server(repo_root, tiny_checkpoint, "--port", str(port))
+    assert_one_line_refusal(result, f"--port {port}: cannot listen on 127.0.0.1:{port}")
+    assert "loaded" not in result.stderr
 
 
 def test_serve_sh_maps_environment_to_flags(repo_root: Path, tiny_checkpoint: Path, tmp_path: Path):
