@@ -270,7 +270,7 @@ def test_shipped_model_package_serves_its_own_vocabulary(repo_root: Path, tmp_pa
 
 
 def test_shipped_model_is_what_architecture_json_records(repo_root: Path):
-    record = json.loads((repo_root / "architecture.json").read_text())
+    record = json.loads((repo_root / "architecture.json").read_text())["shipped_package"]
     model_dir = repo_root / "model"
     shipped = {
         path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in package_manifest.package_files(model_dir)
