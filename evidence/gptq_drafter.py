@@ -11,7 +11,9 @@ columns by decreasing diag(H) (groups are contiguous in that order; g_idx maps e
 original place, to its group), or with --static-groups keeps the groups at G consecutive columns, their
 grids fixed up front, so g_idx = k // G as INT4 kernels expect. Scales are rounded to fp16 before use,
 since that is what is stored. With --embedding-group-size G the tied embedding / lm_head table is
-rounded to 4 bits too (round-to-nearest, asymmetric, groups of G along the hidden size) and stored as
+rounded to 4 bits too (asymmetric, groups of G along the hidden size; --embedding-method gptq: GPTQ with
+error feedback on the Hessian of the lm_head's inputs, collected after the layers are quantized, with
+act-order and static groups; rtn: round-to-nearest) and stored as
 GPTQ tensors model.embed_tokens.{qweight,qzeros,scales,g_idx}; quant_config.json then says
 "quantized_embedding": {"group_size": G, ...}. For a small drafter the table is most of the bytes.
 
@@ -296,10 +298,41 @@ def check_embedding_group_size(model: torch.nn.Module, group_size: int, logger) 
 
 
 @torch.no_grad()
-def quantize_embedding(model: torch.nn.Module, group_size: int) -> dict[str, torch.Tensor]:
-    """Round the tied embedding table to 4 bits (RTN, asymmetric) in place; its GPTQ tensors."""
+def head_hessian(model: torch.nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """H = 2 X^T X / n of the lm_head's inputs (the final norm's output) over the calibration sequences,
+    with the model as it is now (its layers already quantized)."""
+    head = model.get_output_embeddings()
+    hidden = head.weight.shape[1]
+    total, count = torch.zeros(hidden, hidden, dtype=torch.float64), 0
+
+    def accumulate(module, args):
+        nonlocal total, count
+        x = args[0].reshape(-1, hidden).double().cpu()
+        total += x.t() @ x
+        count += x.shape[0]
+
+    hook = head.register_forward_pre_hook(accumulate)
+    try:
+        for sequence in sequences:
+            model(sequence[None].to(head.weight.device))
+    finally:
+        hook.remove()
+    return (2 * total / max(count, 1)).float()
+
+
+@torch.no_grad()
+def quantize_embedding(
+    model: torch.nn.Module, group_size: int, hessian: torch.Tensor | None = None, damp_percent: float = 0.01
+) -> dict[str, torch.Tensor]:
+    """Round the tied embedding table to 4 bits (asymmetric, groups of `group_size` along the hidden size)
+    in place; its GPTQ tensors. With the lm_head inputs' Hessian, GPTQ with error feedback (act-order with
+    static groups, so g_idx stays k // G for the INT4 kernel); without, round-to-nearest."""
     table = model.get_input_embeddings().weight  # [vocab, hidden]: a linear of in=hidden, out=vocab
-    gptq = int4.rtn_quantize(table.float().cpu(), group_size, sym=False)
+    if hessian is None:
+        gptq = int4.rtn_quantize(table.float().cpu(), group_size, sym=False)
+    else:
+        settings = QuantSettings(group_size, sym=False, act_order=True, damp_percent=damp_percent, static_groups=True)
+        gptq = gptq_quantize(table.float().cpu(), hessian.cpu(), settings).pack()
     table.copy_(int4.gptq_dequantize(**gptq).to(table.dtype))
     return gptq
 
@@ -325,12 +358,14 @@ def write_package(
         package_manifest.write_manifest(staging)
 
 
-def quant_config(settings: QuantSettings, calib_samples: int, embedding_group_size: int | None) -> dict:
+def quant_config(
+    settings: QuantSettings, calib_samples: int, embedding_group_size: int | None, embedding_method: str = "gptq"
+) -> dict:
     """HF GPTQConfig field names. desc_act tells loaders whether g_idx is a reordering; with static groups
     it is not (columns were visited in act-order, but every group is still G consecutive columns).
     quantized_embedding is this project's extension (draft_model reads it)."""
     embedding = (
-        {"quantized_embedding": {"group_size": embedding_group_size, "method": "rtn", "sym": False}}
+        {"quantized_embedding": {"group_size": embedding_group_size, "method": embedding_method, "sym": False}}
         if embedding_group_size
         else {}
     )
@@ -385,6 +420,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="also round the tied embedding to INT4 in groups of G (default: keep it in --store-dtype)",
     )
+    parser.add_argument(
+        "--embedding-method",
+        choices=("gptq", "rtn"),
+        default="gptq",
+        help="how the table is rounded: GPTQ on the lm_head's inputs, or round-to-nearest",
+    )
     parser.add_argument("--damp-percent", type=float, default=0.01)
     parser.add_argument("--calib-samples", type=int, default=256)
     parser.add_argument("--calib-max-tokens", type=int, default=2048)
@@ -425,7 +466,10 @@ def main(argv: list[str] | None = None) -> dict:
     sequences = calibration_sequences(train_examples, args.calib_samples, args.calib_max_tokens)
     quantized = quantize_model(model, sequences, settings, logger)
     round_unquantized(model, quantized, store_dtype)
-    embedding = quantize_embedding(model, args.embedding_group_size) if args.embedding_group_size else None
+    embedding = None
+    if args.embedding_group_size:
+        hessian = head_hessian(model, sequences) if args.embedding_method == "gptq" else None
+        embedding = quantize_embedding(model, args.embedding_group_size, hessian, args.damp_percent)
     int4_argmax = teacher_forced_argmax(model, holdout)
     card = {
         "name": args.name,
@@ -433,12 +477,13 @@ def main(argv: list[str] | None = None) -> dict:
         "random_weights": False,
         **(common.read_json(args.card, "model card") if args.card else {}),
     }
-    config = quant_config(settings, len(sequences), args.embedding_group_size)
+    config = quant_config(settings, len(sequences), args.embedding_group_size, args.embedding_method)
     write_package(args.out, model, package_tensors(model, quantized, store_dtype, embedding), config, card)
     report = {
         "settings": asdict(settings),
         "store_dtype": args.store_dtype,
         "embedding_group_size": args.embedding_group_size,
+        "embedding_method": args.embedding_method if args.embedding_group_size else None,
         "calibration_sequences": len(sequences),
         "calibration_tokens": sum(len(s) for s in sequences),
         "student_holdout": asdict(
