@@ -89,6 +89,7 @@ def test_health_describes_model_and_limits(live: RunningServer):
     assert health["limits"]["max_body_bytes"] == MAX_BODY_BYTES
     assert health["auth_required"] is True
     assert health["random_weights"] is False
+    assert "integrity unverified (no checksums.json)" in live.log(), "a plain checkpoint has no manifest"
 
 
 def test_docs_and_openapi_are_served(live: RunningServer):
