@@ -268,6 +268,8 @@ def memory_problem(settings: ServerSettings) -> str | None:
         return None
     cfg = layout.cfg
     context = settings.max_context or min(cfg.max_position_embeddings, checkpoint.DEFAULT_MAX_CONTEXT)
+    if context > cfg.max_position_embeddings:
+        return None  # load_model refuses it, naming the model's limit
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     slots = settings.slots + 1  # the cache keeps one scratch slot beside the requested ones
     weight_bytes = layout.weight_bytes(dtype.itemsize, packed)
