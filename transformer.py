@@ -4,7 +4,7 @@ config -> primitives (RMSNorm, RoPE) -> LoRA and fused projections -> attention,
 Module names mirror transformers', so checkpoint keys map 1:1; checkpoint.py builds and loads it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -74,9 +74,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # its own sequence and never the size of the batch it happens to share.
 
 
+# A dense matmul of fewer rows than this takes a matrix-vector kernel whose rows differ in the last bits
+# from the matrix-matrix one; padding a few rows up to it keeps every row's result the same at any N.
+MIN_MATMUL_ROWS = 16
+
+
 def project(layer: nn.Module, x: torch.Tensor, dense_rows: int) -> torch.Tensor:
     """x (N, in) -> (N, out) through any of the model's linear kinds."""
-    return layer(x) if isinstance(layer, nn.Linear) else layer(x, dense_rows)
+    if isinstance(layer, nn.Linear):
+        return row_invariant_linear(x, layer.weight, layer.bias)
+    return layer(x, dense_rows)
+
+
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose rows do not depend on how many rows x (N, in) has."""
+    rows = x.shape[0]
+    if rows >= MIN_MATMUL_ROWS:
+        return F.linear(x, weight, bias)
+    padded = torch.cat([x, x.new_zeros(MIN_MATMUL_ROWS - rows, x.shape[1])])
+    return F.linear(padded, weight, bias)[:rows]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +109,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
         # The side matmuls run in the adapter's fp32: a rank-r bf16 GEMM pays oneDNN's bf16 set-up,
         # which dominates such small products, and the adapter was trained in fp32.
-        side = F.linear(F.linear(x.float(), self.lora_A), self.lora_B)
+        side = row_invariant_linear(row_invariant_linear(x.float(), self.lora_A), self.lora_B)
         return project(self.base, x, dense_rows).add_(side)  # added in fp32, rounded once to the base's dtype
 
     def merge(self) -> nn.Linear:
@@ -197,7 +213,18 @@ class Segment:
     slot: int
     position: int  # the position of token `start` in its sequence
     window: int
-    complete_chunk: bool  # a whole CHUNK of positions: bf16 attention of many queries, else exact fp32
+    complete_chunk: bool  # a whole CHUNK of positions: attention in the model's dtype, else in fp32
+
+    def mask(self, device: torch.device, rows_per_query: int, min_rows: int) -> torch.Tensor:
+        """(max(T * rows_per_query, min_rows), window): 0 where query t (each of its rows) may see the key,
+        that is where key position <= position + t, and -inf elsewhere; padding rows see every key (so a
+        padding row's softmax is never all -inf)."""
+        keys = torch.arange(self.window, device=device)
+        queries = torch.arange(self.position, self.stop - self.start + self.position, device=device)
+        hidden = (keys[None, :] > queries[:, None]).repeat_interleave(rows_per_query, dim=0)
+        mask = torch.zeros(max(hidden.shape[0], min_rows), self.window, device=device)
+        mask[: hidden.shape[0]].masked_fill_(hidden, float("-inf"))
+        return mask
 
 
 @dataclass
@@ -208,29 +235,37 @@ class Plan:
     write_slots: torch.Tensor  # (N,) the cache slot receiving each token's keys and values
     segments: list[Segment]
     dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # made by the first layer, read by all
+
+    def mask(self, index: int, rows_per_query: int = 1, min_rows: int = 0) -> torch.Tensor:
+        if index not in self.masks:
+            self.masks[index] = self.segments[index].mask(self.positions.device, rows_per_query, min_rows)
+        return self.masks[index]
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segment: Segment) -> torch.Tensor:
-    """q (T, H, D) of one segment; keys, values (H_kv, window, D) of its slot -> (T, H, D).
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A complete chunk's queries q (T, H, D) over keys, values (H_kv, window, D), mask (T, window), in the
+    model's dtype by the flash kernel, which is built for many queries -> (T, H, D)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask.to(q.dtype), enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
 
-    Query t sees keys 0..position + t. A complete chunk (many queries) uses the flash kernel in the
-    model's dtype; a few queries (a decode step, a sequence's last chunk) use plain fp32 matmuls, where
-    the flash kernel, built for long queries, costs several times more per query."""
+
+def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A few queries q (T, H, D) (a decode step, a sequence's last chunk) over keys, values (H_kv, window, D),
+    in fp32 matmuls -> (T, H, D). mask (R, window) holds one row per query and head of a group, padded to
+    at least MIN_MATMUL_ROWS rows: then each query's result does not depend on how many share the call.
+    The flash kernel is avoided here: in bf16 it costs several times more per query, and in fp32 a
+    query's result changes with the number of queries beside it."""
     T, H, D = q.shape
-    key_positions = torch.arange(segment.window, device=q.device)
-    query_positions = torch.arange(segment.position, segment.position + T, device=q.device)
-    visible = key_positions[None, :] <= query_positions[:, None]  # (T, window)
-    if segment.complete_chunk:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=visible, enable_gqa=True
-        )
-        return out[0].transpose(0, 1)
     H_kv = keys.shape[0]
-    grouped = q.float().view(T, H_kv, H // H_kv, D).permute(1, 0, 2, 3).reshape(H_kv, -1, D)  # (H_kv, T*g, D)
-    scores = grouped @ keys.float().transpose(1, 2) * D**-0.5  # (H_kv, T*g, window)
-    scores.masked_fill_(~visible.repeat_interleave(H // H_kv, dim=0), float("-inf"))
-    out = scores.softmax(dim=-1) @ values.float()  # (H_kv, T*g, D)
-    return out.view(H_kv, T, H // H_kv, D).permute(1, 0, 2, 3).reshape(T, H, D).to(q.dtype)
+    grouped = q.float().view(T, H_kv, H // H_kv, D).transpose(0, 1).reshape(H_kv, T * H // H_kv, D)
+    if grouped.shape[1] < mask.shape[0]:
+        grouped = torch.cat([grouped, grouped.new_zeros(H_kv, mask.shape[0] - grouped.shape[1], D)], dim=1)
+    scores = torch.baddbmm(mask, grouped, keys.float().transpose(1, 2), alpha=D**-0.5)  # (H_kv, R, window)
+    out = scores.softmax(dim=-1) @ values.float()  # (H_kv, R, D)
+    return out[:, : T * H // H_kv].view(H_kv, T, H // H_kv, D).transpose(0, 1).reshape(T, H, D).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -257,9 +292,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, plan.write_slots, plan.positions, k, v)
         out = torch.empty_like(q)
-        for segment in plan.segments:
+        for i, segment in enumerate(plan.segments):
             keys, values = cache.window(layer, segment.slot, segment.window)  # (H_kv, window, D)
-            out[segment.start : segment.stop] = attend(q[segment.start : segment.stop], keys, values, segment)
+            queries = q[segment.start : segment.stop]
+            if segment.complete_chunk:
+                out[segment.start : segment.stop] = chunk_attention(queries, keys, values, plan.mask(i))
+            else:
+                mask = plan.mask(i, rows_per_query=H // H_kv, min_rows=MIN_MATMUL_ROWS)
+                out[segment.start : segment.stop] = exact_attention(queries, keys, values, mask)
         return project(self.o_proj, out.view(N, H * D), plan.dense_rows)
 
 

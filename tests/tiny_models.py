@@ -1,9 +1,15 @@
 """Tiny random Hugging Face models, built and saved on the fly, for tests (no network)."""
 
+import json
+import shutil
 from pathlib import Path
 
+import peft
 import torch
 import transformers
+from safetensors.torch import save_file
+
+import int4
 
 ARCHITECTURES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -41,3 +47,84 @@ def write_hf_checkpoint(model: transformers.PreTrainedModel, directory: Path) ->
     """Save `model` the way the hub holds checkpoints: config.json + safetensors."""
     model.save_pretrained(directory, safe_serialization=True)
     return Path(directory)
+
+
+def quantize_into(hf_model, group_size: int, sym: bool, desc_act: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Give every decoder projection of `hf_model` known INT4 weights; return their GPTQ tensors (HF names).
+
+    The dense weight each layer gets is computed here from the integers by the format's definition,
+    W[n, k] = scale[g[k], n] * (q[n, k] - zero[g[k], n]), independently of draft_model's unpacking.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in hf_model.named_modules():
+        if not name.startswith("model.layers.") or not isinstance(module, torch.nn.Linear):
+            continue
+        out_features, in_features = module.weight.shape
+        n_groups = in_features // group_size
+        ints = torch.randint(0, 16, (out_features, in_features), generator=generator)
+        zeros = (
+            torch.full((n_groups, out_features), 8)
+            if sym
+            else torch.randint(0, 16, (n_groups, out_features), generator=generator)
+        )
+        scales = (torch.rand(n_groups, out_features, generator=generator) * 0.03 + 0.005).half()
+        columns = torch.randperm(in_features, generator=generator) if desc_act else torch.arange(in_features)
+        g_idx = (columns // group_size).int()  # act-order: each column's group follows its quantization order
+        module.weight.data = (scales.float()[g_idx.long()] * (ints.t() - zeros[g_idx.long()]).float()).t().contiguous()
+        for part, tensor in int4.gptq_pack(ints, zeros, scales, g_idx).items():
+            tensors[f"{name}.{part}"] = tensor
+    return tensors
+
+
+def write_gptq_checkpoint(hf_model, directory, gptq_tensors, quant_config: dict, as_package: bool) -> None:
+    """A GPTQ checkpoint as the ecosystem writes it (quantization_config in config.json, model.safetensors)
+    or as our model package (quant_config.json, model_int4.safetensors)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dense = {
+        k: v
+        for k, v in hf_model.state_dict().items()
+        if not (k.endswith(".weight") and k[: -len(".weight")] + ".qweight" in gptq_tensors)
+    }
+    if hf_model.config.tie_word_embeddings:
+        del dense["lm_head.weight"]
+    config = hf_model.config.to_dict()
+    if as_package:
+        (directory / "quant_config.json").write_text(json.dumps(quant_config))
+        save_file({**dense, **gptq_tensors}, directory / "model_int4.safetensors")
+    else:
+        config["quantization_config"] = quant_config
+        save_file({**dense, **gptq_tensors}, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def write_package_with_int4_embedding(hf_model, directory, seed: int) -> None:
+    """A package whose tied embedding is GPTQ tensors too (quant_config "quantized_embedding"); hf_model
+    gets the dequantized table, so it is the reference for what the package means."""
+    gptq = quantize_into(hf_model, 32, True, False, seed=seed)
+    table = int4.rtn_quantize(hf_model.model.embed_tokens.weight.detach(), 32, sym=False)
+    hf_model.model.embed_tokens.weight.data = int4.gptq_dequantize(**table)
+    gptq.update({f"model.embed_tokens.{part}": tensor for part, tensor in table.items()})
+    quant_config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+        "quantized_embedding": {"group_size": 32},
+    }
+    write_gptq_checkpoint(hf_model, directory, gptq, quant_config, as_package=True)
+
+
+def add_peft_adapter(hf_model, directory, **overrides):
+    """Wrap `hf_model` in a random (non-zero) PEFT LoRA, save it under the package's file names."""
+    settings = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    settings.update(overrides)
+    torch.manual_seed(13)
+    peft_model = peft.get_peft_model(hf_model, peft.LoraConfig(**settings)).eval()
+    adapter_dir = directory.parent / "adapter"
+    peft_model.save_pretrained(adapter_dir)
+    shutil.copy(adapter_dir / "adapter_model.safetensors", directory / "lora.safetensors")
+    shutil.copy(adapter_dir / "adapter_config.json", directory / "lora_config.json")
+    return peft_model

@@ -1,0 +1,80 @@
+"""A row's draft depends only on its tokens, the weights and its own settings, on the default path too.
+
+Each case drafts the same rows several ways (alone on a fresh pool, again from the prefix cache, in
+batches with neighbours of other lengths, as batched harness follow-ups) and requires the drafts and
+their log-probabilities to be bit-identical: equal log-probabilities mean every logit along the way
+was computed the same, so no near-tie could flip either. Weights at the usual 0.02 scale make near-ties
+common; prompt lengths straddle the engine's 64-position chunks.
+"""
+
+import random
+
+import pytest
+from tiny_models import add_peft_adapter, make_hf_model, write_package_with_int4_embedding
+
+import draft_model
+
+LENGTHS = [1, 7, 63, 64, 65, 100, 127, 128, 130, 200]
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    """A GPTQ package with an INT4 table and a LoRA adapter: the default load runs packed INT4 in bf16."""
+    directory = tmp_path_factory.mktemp("invariance") / "package"
+    hf_model = make_hf_model("qwen3", seed=5, initializer_range=0.02)
+    write_package_with_int4_embedding(hf_model, directory, seed=6)
+    add_peft_adapter(hf_model, directory)
+    return directory
+
+
+def rows_of(lengths: list[int], seed: int) -> list[list[int]]:
+    generator = random.Random(seed)
+    return [[generator.randrange(256) for _ in range(n)] for n in lengths]
+
+
+def drafts(drafter, rows: list[list[int]], max_tokens=12) -> list[tuple[list[int], list[float]]]:
+    made = draft_model.draft_batch(drafter, rows, max_tokens=max_tokens, return_logprobs=True, stop_token_ids=[])
+    return [(list(d), d.logprobs) for d in made]
+
+
+def alone(package, rows: list[list[int]], weights: str, max_tokens=12) -> list[tuple[list[int], list[float]]]:
+    return [
+        drafts(draft_model.load_model(package, cache_slots=2, weights=weights), [row], max_tokens)[0] for row in rows
+    ]
+
+
+@pytest.mark.parametrize("weights", ["packed", "dequant"])
+def test_batches_of_every_size_draft_what_each_row_drafts_alone(package, weights):
+    rows = rows_of(LENGTHS * 2, seed=1)
+    expected = alone(package, rows, weights)
+    drafter = draft_model.load_model(package, cache_slots=64, weights=weights)
+    assert drafter.weights == ("packed" if weights == "packed" else "dense")
+    shuffled = random.Random(2)
+    for size in (2, 3, 5, 8, 16):
+        order = shuffled.sample(range(len(rows)), size)
+        fresh = draft_model.load_model(package, cache_slots=64, weights=weights)
+        assert drafts(fresh, [rows[i] for i in order]) == [expected[i] for i in order], f"batch of {size}"
+    # The same rows again, now with prefixes in the cache, in a batch of all of them.
+    assert drafts(drafter, rows) == expected
+    assert drafts(drafter, rows) == expected
+
+
+@pytest.mark.parametrize("weights", ["packed", "dequant"])
+def test_harness_follow_ups_draft_what_a_cold_call_drafts(package, weights):
+    rows = rows_of(LENGTHS, seed=3)
+    drafter = draft_model.load_model(package, cache_slots=32, weights=weights)
+    follow_ups = rows
+    for turn in range(4):
+        made = drafts(drafter, follow_ups)
+        assert made == alone(package, follow_ups, weights), f"turn {turn}"
+        # The harness loop: keep some drafted tokens, add the target's bonus token, send it again.
+        follow_ups = [
+            row + tokens[: (turn * 5 + i) % 9] + [(i + turn) % 256]
+            for i, (row, (tokens, _)) in enumerate(zip(follow_ups, made))
+        ]
+    assert any(d.cached_tokens for d in draft_model.draft_batch(drafter, follow_ups)), "follow-ups reuse the cache"
+
+
+def test_the_default_path_is_packed_bf16(package):
+    drafter = draft_model.load_model(package)
+    assert drafter.weights == "packed" and drafter.dtype.is_floating_point and str(drafter.dtype) == "torch.bfloat16"
