@@ -72,7 +72,7 @@ def assert_serves_correct_drafts(client: httpx.Client, reference) -> None:
     tokens = prompt(37, seed=99)
     response = client.post("/draft", json={"token_ids": tokens, "max_tokens": 12})
     assert response.status_code == 200, response.text
-    assert response.json()["draft_token_ids"] == reference(tokens, 12)
+    assert response.json()["draft_token_ids"] == reference(tokens, max_tokens=12)
 
 
 # ----------------------------------------------------------------------------- happy path
@@ -112,13 +112,13 @@ def test_draft_equals_draft_batch_alone(client: httpx.Client, reference, length:
 def test_default_max_tokens_is_16(client: httpx.Client, reference):
     tokens = prompt(20, seed=3)
     body = client.post("/draft", json={"token_ids": tokens}).json()
-    assert body["draft_token_ids"] == reference(tokens, 16)
+    assert body["draft_token_ids"] == reference(tokens, max_tokens=16)
 
 
 def test_logprobs_match_the_drafter(client: httpx.Client, reference):
     tokens = prompt(50, seed=5)
     body = client.post("/draft", json={"token_ids": tokens, "max_tokens": 8, "return_logprobs": True}).json()
-    expected = reference(tokens, 8, return_logprobs=True)
+    expected = reference(tokens, max_tokens=8, return_logprobs=True)
     assert body["draft_token_ids"] == expected
     assert body["logprobs"] == pytest.approx(expected.logprobs, abs=1e-4)
 
@@ -126,9 +126,10 @@ def test_logprobs_match_the_drafter(client: httpx.Client, reference):
 def test_min_confidence_shortens_drafts_and_is_validated(client: httpx.Client, reference):
     tokens = prompt(60, seed=950)
     sure_only = client.post("/draft", json={"token_ids": tokens, "max_tokens": 16, "min_confidence": 1.0})
-    assert sure_only.json()["draft_token_ids"] == reference(tokens, 16)[:1]  # no token is certain: stop after one
+    # No token is certain: the draft stops after one.
+    assert sure_only.json()["draft_token_ids"] == reference(tokens, max_tokens=16)[:1]
     unlimited = client.post("/draft", json={"token_ids": tokens, "max_tokens": 16, "min_confidence": 0})
-    assert unlimited.json()["draft_token_ids"] == reference(tokens, 16)
+    assert unlimited.json()["draft_token_ids"] == reference(tokens, max_tokens=16)
     refused = client.post("/draft", json={"token_ids": tokens, "min_confidence": 1.5})
     assert refused.status_code == 422 and "min_confidence" in refused.json()["detail"]
 
@@ -141,10 +142,10 @@ def test_hybrid_drafting_copies_long_repeats_and_is_validated(client: httpx.Clie
     modelled = client.post(
         "/draft", json={"token_ids": repeating, "max_tokens": 8}
     ).json()  # this server's default: off
-    assert modelled["draft_token_ids"] == reference(repeating, 8) and modelled["source"] == "model"
+    assert modelled["draft_token_ids"] == reference(repeating, max_tokens=8) and modelled["source"] == "model"
     no_repeat = prompt(40, seed=953)
     fallback = client.post("/draft", json={"token_ids": no_repeat, "max_tokens": 8, "lookup_min_match": 8}).json()
-    assert fallback["draft_token_ids"] == reference(no_repeat, 8) and fallback["source"] == "model"
+    assert fallback["draft_token_ids"] == reference(no_repeat, max_tokens=8) and fallback["source"] == "model"
     refused = client.post("/draft", json={"token_ids": repeating, "lookup_min_match": 9})
     assert refused.status_code == 422 and "lookup_min_match" in refused.json()["detail"]
 
@@ -155,7 +156,7 @@ def test_follow_up_request_reuses_the_cached_prefix(client: httpx.Client, refere
     follow_up = first + first_body["draft_token_ids"][:2] + [7]  # accepted drafts + a bonus token
     body = client.post("/draft", json={"token_ids": follow_up, "max_tokens": 8}).json()
     assert body["cached_tokens"] >= len(first)
-    assert body["draft_token_ids"] == reference(follow_up, 8)
+    assert body["draft_token_ids"] == reference(follow_up, max_tokens=8)
 
 
 def test_64_concurrent_mixed_requests_batch_and_match(client: httpx.Client, live: RunningServer, reference):
@@ -279,7 +280,7 @@ def test_api_key_required_only_for_draft(live: RunningServer, reference):
     assert without.status_code == 401
     with_key = httpx.post(live.url + "/draft", json={"token_ids": tokens}, headers=AUTH, timeout=30)
     assert with_key.status_code == 200
-    assert with_key.json()["draft_token_ids"] == reference(tokens, 16)
+    assert with_key.json()["draft_token_ids"] == reference(tokens, max_tokens=16)
     assert httpx.get(live.url + "/metrics", timeout=10).status_code == 200
 
 
@@ -374,7 +375,7 @@ def test_flood_beyond_the_queue_gets_503_not_hangs(repo_root, tiny_checkpoint, r
                 assert response.json()["draft_token_ids"] == reference(tokens, max_tokens)
         tokens = prompt(40, seed=1)
         after = httpx.post(running.url + "/draft", json={"token_ids": tokens}, timeout=30)
-        assert after.status_code == 200 and after.json()["draft_token_ids"] == reference(tokens, 16)
+        assert after.status_code == 200 and after.json()["draft_token_ids"] == reference(tokens, max_tokens=16)
     finally:
         stop_server(running)
     assert running.process.returncode == 0, running.log()
@@ -457,7 +458,7 @@ def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, referenc
     for failure in failures:
         assert isinstance(failure, DraftFailed)
         assert "999" in str(failure) and "vocabulary" in str(failure)
-    assert healthy == reference([1, 2, 3], 4)
+    assert healthy == reference([1, 2, 3], max_tokens=4)
     assert metrics.registry.get_sample_value("draft_server_failed_batches_total") == 1
 
 
@@ -478,7 +479,7 @@ def test_cancelled_requests_are_skipped_and_stop_drains_the_queue(tiny_checkpoin
         if i in (1, 4):
             assert future.cancelled()
         else:
-            assert future.result() == reference(prompt(30, seed=i), 8)
+            assert future.result() == reference(prompt(30, seed=i), max_tokens=8)
     assert metrics.registry.get_sample_value("draft_server_batch_size_sum") == 7, "the cancelled two were drafted"
 
 
@@ -499,7 +500,7 @@ def test_a_request_queued_past_the_deadline_is_refused_and_counted(tiny_checkpoi
         return outcomes, batcher.metrics
 
     (drafted, refused), metrics = asyncio.run(scenario())
-    assert drafted == reference([1, 2, 3], 4)
+    assert drafted == reference([1, 2, 3], max_tokens=4)
     assert isinstance(refused, Unavailable) and "--queue-deadline-s" in str(refused)
     assert metrics.registry.get_sample_value("draft_server_queue_deadline_expired_total") == 1
     assert metrics.registry.get_sample_value("draft_server_batch_size_count") == 1, "the refused one was drafted"

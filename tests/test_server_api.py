@@ -50,7 +50,7 @@ def test_health_has_the_process_id(client, live):
 def test_session_id_is_accepted_and_changes_nothing(client, reference):
     tokens = prompt(40, seed=41)
     body = client.post("/draft", json={"token_ids": tokens, "max_tokens": 8, "session_id": "conversation-7"}).json()
-    assert body["draft_token_ids"] == reference(tokens, 8)
+    assert body["draft_token_ids"] == reference(tokens, max_tokens=8)
 
 
 def test_batch_answers_every_item_in_order_with_its_own_status(client, reference):
@@ -67,12 +67,12 @@ def test_batch_answers_every_item_in_order_with_its_own_status(client, reference
     assert response.status_code == 200, response.text
     results = response.json()["results"]
     assert [result["status"] for result in results] == [200, 400, 400, 200, 200, 400]
-    assert results[0]["draft"]["draft_token_ids"] == reference(first, 8)
+    assert results[0]["draft"]["draft_token_ids"] == reference(first, max_tokens=8)
     assert "token id 256 at position 1" in results[1]["detail"] and results[1]["draft"] is None
     assert "context limit of 512" in results[2]["detail"] and '"truncate": true' in results[2]["detail"]
     truncated = results[3]["draft"]["truncated_tokens"]
-    assert results[3]["draft"]["draft_token_ids"] == reference(long_one[truncated:], 16)
-    assert results[4]["draft"]["draft_token_ids"] == reference(second, 4)
+    assert results[3]["draft"]["draft_token_ids"] == reference(long_one[truncated:], max_tokens=16)
+    assert results[4]["draft"]["draft_token_ids"] == reference(second, max_tokens=4)
     assert len(results[4]["draft"]["logprobs"]) == len(results[4]["draft"]["draft_token_ids"])
     assert "empty" in results[5]["detail"]
 
@@ -100,19 +100,19 @@ def test_truncate_keeps_the_most_recent_tokens_and_later_turns_reuse_the_cache(c
     start = first["truncated_tokens"]
     assert start == server.kept_tokens(conversation, max_context=CONTEXT, max_tokens=16) > 0
     assert len(conversation) - start <= CONTEXT - 16, "the draft must have room"
-    assert first["draft_token_ids"] == reference(conversation[start:], 16)
+    assert first["draft_token_ids"] == reference(conversation[start:], max_tokens=16)
     next_turn = conversation + first["draft_token_ids"][:3] + [9]
     second = client.post("/draft", json={"token_ids": next_turn, "max_tokens": 16, "truncate": True}).json()
     assert second["truncated_tokens"] == start, "the window moves in quarter-context steps, not per token"
     # Reuse comes in the engine's chunks: most of the kept conversation, not necessarily all of it.
     assert second["cached_tokens"] >= (len(conversation) - start) // 2
-    assert second["draft_token_ids"] == reference(next_turn[start:], 16)
+    assert second["draft_token_ids"] == reference(next_turn[start:], max_tokens=16)
 
 
 def test_truncate_leaves_a_short_conversation_whole(client, reference):
     tokens = prompt(100, seed=78)
     body = client.post("/draft", json={"token_ids": tokens, "truncate": True}).json()
-    assert body["truncated_tokens"] == 0 and body["draft_token_ids"] == reference(tokens, 16)
+    assert body["truncated_tokens"] == 0 and body["draft_token_ids"] == reference(tokens, max_tokens=16)
 
 
 def test_openapi_states_the_loaded_models_limits(client):
@@ -172,7 +172,7 @@ def test_requests_queued_past_the_deadline_get_503_and_are_counted(server, tiny_
         if response.status_code == 503:
             assert response.headers["retry-after"] == "1" and "--queue-deadline-s" in response.json()["detail"]
         else:
-            assert response.json()["draft_token_ids"] == reference(body["token_ids"], 64)
+            assert response.json()["draft_token_ids"] == reference(body["token_ids"], max_tokens=64)
     samples = metric_samples(httpx.get(running.url + "/metrics", timeout=10).text)
     assert samples[("draft_server_queue_deadline_expired_total", ())] == statuses.count(503)
 
@@ -198,6 +198,6 @@ def test_sigterm_drains_health_503_new_work_503_queued_work_answered_exit_0(serv
     assert "draining" in refused.json()["detail"]
     assert [response.status_code for response in responses] == [200] * len(bodies)
     for body, response in zip(bodies, responses, strict=True):
-        assert response.json()["draft_token_ids"] == reference(body["token_ids"], 32)
+        assert response.json()["draft_token_ids"] == reference(body["token_ids"], max_tokens=32)
     assert running.process.wait(timeout=30) == 0, running.log()
     assert "draining" in running.log() and "Traceback" not in running.log()
