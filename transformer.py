@@ -45,9 +45,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability, cast back, then scale (the order transformers uses).
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # Normalise, round to x's dtype, then scale: the order transformers uses. The fused kernel computes
+        # in fp32 whatever x's dtype, so it needs no fp32 copy of x.
+        return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
 
 
 def rope_cos_sin(
@@ -286,10 +286,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan) -> torch.Tensor:
         N, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         heads = project(self.qkv_proj, x, plan.dense_rows).view(N, H + 2 * H_kv, D)
-        q, k, v = heads.split([H, H_kv, H_kv], dim=1)
+        q_and_k, v = heads.split([H + H_kv, H_kv], dim=1)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q_and_k = torch.cat([self.q_norm(q_and_k[:, :H]), self.k_norm(q_and_k[:, H:])], dim=1)
+        q, k = apply_rope(q_and_k, cos, sin).split([H, H_kv], dim=1)  # one rotation for both
         cache.write(layer, plan.write_slots, plan.positions, k, v)
         out = torch.empty_like(q)
         for i, segment in enumerate(plan.segments):
