@@ -3,8 +3,12 @@
 The package writers (evidence/make_random_package.py, gptq_drafter.py, lora_after_gptq.py) call
 `write_manifest` once the files are in place; checkpoint.load_weights calls `verify_manifest` before it
 reads anything, so a flipped bit or a swapped file is refused instead of drafting from damaged weights.
+After changing a file of a package by hand (a model card, say), write its manifest again:
+
+    python package_manifest.py model
 """
 
+import argparse
 import hashlib
 import json
 import os
@@ -89,3 +93,17 @@ def read_manifest(path: Path) -> dict[str, str]:
     if not valid:
         raise ManifestMismatch(f"{path}: 'sha256' must map each file name of the package to its 64-hex-digit hash")
     return hashes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path, help="the package whose checksums.json is written")
+    args = parser.parse_args(argv)
+    if not args.directory.is_dir():
+        parser.error(f"{args.directory} is not a directory")
+    hashes = write_manifest(args.directory)
+    print(f"wrote {args.directory / MANIFEST}: {len(hashes)} files")
+
+
+if __name__ == "__main__":
+    main()

@@ -196,6 +196,15 @@ def test_make_random_package_writes_a_manifest_that_verifies(random_package: Pat
     assert package_manifest.verify_manifest(random_package) is True
 
 
+def test_a_package_edited_by_hand_loads_again_once_its_manifest_is_rewritten(random_package: Path):
+    card = random_package / "model_card.json"
+    card.write_text(card.read_text().replace("placeholder", "stand-in"))
+    with pytest.raises(draft_model.ModelLoadError, match="model_card.json: sha256"):
+        draft_model.load_model(random_package, cache_slots=2)
+    package_manifest.main([str(random_package)])
+    assert package_manifest.verify_manifest(random_package) is True
+
+
 def flip_one_bit(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x01
