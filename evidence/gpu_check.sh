@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-command GPU check (issue 6): GPU drafts equal CPU drafts, and GPU draft latency on the Qwen3-1.7B
+# The one-command GPU check: GPU drafts equal CPU drafts, and GPU draft latency on the Qwen3-1.7B
 # shape. Run on the machine with the GPU, from a clone of this repository; arguments go to gpu_check.py.
 #
 #   bash evidence/gpu_check.sh [--json gpu_check.json]
