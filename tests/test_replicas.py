@@ -1,7 +1,8 @@
 """Scale-out over real processes and real HTTP: `REPLICAS=2 ./serve.sh` (two servers behind vllm-router).
 
-Slow (about a minute on 2 cores) and marked so: `.venv/bin/python -m pytest -m slow tests/test_replicas.py`.
-serve.sh installs the 'scale' extra (vllm-router) into .venv the first time, which needs the package index.
+The end-to-end test is slow (one to two minutes on 2 cores) and marked so:
+`.venv/bin/python -m pytest -m slow tests/test_replicas.py`. serve.sh installs the 'scale' extra (vllm-router)
+into .venv the first time, which needs the package index. The refusals of bad settings run in the default suite.
 """
 
 import os
@@ -17,8 +18,6 @@ import httpx
 import pytest
 
 from evidence import make_random_package
-
-pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 300  # includes serve.sh installing vllm-router on a first run
 FAILOVER_LIMIT_S = 15  # three failed 1 s health checks, plus retries and a cold prefill, on a loaded machine
@@ -99,6 +98,41 @@ def random_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        ({"REPLICAS": "two"}, "REPLICAS=two: must be a whole number >= 1"),
+        ({"REPLICAS": "2", "WORKER_URLS": "http://127.0.0.1:9"}, "not both"),
+        ({"REPLICAS": "2", "API_KEY_FILE": "key"}, "vllm-router neither checks client keys"),
+    ],
+)
+def test_serve_sh_refuses_bad_scale_out_settings_in_one_line(repo_root: Path, environment: dict, message: str):
+    """Refused before anything is installed or started: one line, exit status 2."""
+    result = subprocess.run(
+        [str(repo_root / "serve.sh")], env={**os.environ, **environment}, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_supervisor_refuses_bad_ports_in_one_line(repo_root: Path):
+    router_port, replica_port = free_ports(2)
+    supervisor = [sys.executable, str(repo_root / "scripts" / "replicas.py")]
+    cases = [
+        (["--replicas", "0"], "--replicas 0 must be >= 1"),
+        (["--replicas", "2", "--port", "70000"], "--port 70000 is not a TCP port"),
+        (["--worker-urls", "ftp://host"], "must look like http://HOST:PORT"),
+        (["--replicas", "1", "--port", str(router_port), "--", "--port", "1"], "server flag --port"),
+    ]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", replica_port))
+        cases.append((["--replicas", "1", "--port", str(router_port)], f"replica port {replica_port} is in use"))
+        for arguments, message in cases:
+            result = subprocess.run([*supervisor, *arguments], capture_output=True, text=True, timeout=30)
+            assert result.returncode == 2 and result.stderr.count("\n") == 1, (arguments, result.stderr)
+            assert message in result.stderr, (arguments, result.stderr)
+
+
+@pytest.mark.slow
 def test_two_replicas_keep_sessions_fail_over_and_stop_cleanly(repo_root: Path, random_package: Path, tmp_path: Path):
     if Path(sys.prefix).resolve() != (repo_root / ".venv").resolve():
         pytest.skip("serve.sh runs the repository's .venv; run this test with .venv/bin/python -m pytest")
