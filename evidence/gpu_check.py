@@ -49,15 +49,28 @@ def exactness(package: Path, device: str) -> dict:
     report = {}
     for dtype in ("float32", "bfloat16"):
         drafter = draft_model.load_model(package, device, dtype, weights="dequant", cache_slots=16)
-        batched = draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
-        alone = [draft_model.draft_batch(drafter, [row], DRAFT_TOKENS, stop_token_ids=[])[0] for row in rows]
-        same = sum(a == b for got, want in zip(batched, expected) for a, b in zip(got, want))
-        report[dtype] = {
-            "equal_to_cpu_fp32": batched == expected,
-            "token_agreement": same / sum(map(len, expected)),
-            "batch_equals_alone": batched == alone,
-        }
+        report[dtype] = compare(drafter, rows, expected)
+    if torch.device(device).type == "cpu":  # the default path here: packed INT4 in bf16
+        report["packed"] = compare(draft_model.load_model(package, device, cache_slots=16), rows, expected)
     return report
+
+
+def compare(drafter: draft_model.Drafter, rows: list[list[int]], expected: list[list[int]]) -> dict:
+    """Drafts of `rows` in one batch, again (now from the prefix cache), and each alone on a fresh pool."""
+    batched = draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
+    again = draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
+    weights = "packed" if drafter.weights == "packed" else "dequant"
+    alone = []
+    for row in rows:
+        fresh = draft_model.load_model(drafter.source, drafter.device, drafter.dtype, weights=weights, cache_slots=2)
+        alone += draft_model.draft_batch(fresh, [row], DRAFT_TOKENS, stop_token_ids=[])
+    same = sum(a == b for got, want in zip(batched, expected) for a, b in zip(got, want))
+    return {
+        "equal_to_cpu_fp32": batched == expected,
+        "token_agreement": same / sum(map(len, expected)),
+        "batch_equals_alone": batched == alone,
+        "cached_equals_cold": again == batched,
+    }
 
 
 def latency(device: str, repeats: int, scratch: Path) -> dict:
