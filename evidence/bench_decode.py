@@ -83,17 +83,34 @@ def time_ours(package: Path, prompt: list[int], tokens: int, repeats: int) -> di
     # A draft of n + 1 tokens minus a draft of 1 from the same cached prompt: n decode steps.
     short = median_per_token(lambda _: draft_model.draft_batch(drafter, [prompt], max_tokens=1), 1, repeats)
     long = median_per_token(lambda _: draft_model.draft_batch(drafter, [prompt], max_tokens=tokens + 1), 1, repeats)
-    with torch.profiler.profile() as profile:
-        draft_model.draft_batch(drafter, [prompt], max_tokens=tokens + 1)
-    table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    return {"decode_s": (long - short) / tokens, "prefill_s": prefill, "profile": table}
+    return {
+        "decode_s": (long - short) / tokens,
+        "prefill_s": prefill,
+        "profile": decode_profile(drafter, prompt, tokens),
+    }
+
+
+def decode_profile(drafter: draft_model.Drafter, prompt: list[int], tokens: int) -> str:
+    """Self CPU time per op of `tokens` decode steps: a profiled draft of tokens + 1 minus one of 1."""
+    per_op = {}
+    for sign, max_tokens in ((1, tokens + 1), (-1, 1)):
+        with torch.profiler.profile() as profile:
+            draft_model.draft_batch(drafter, [prompt], max_tokens=max_tokens)
+        for event in profile.key_averages():
+            self_us, calls = per_op.get(event.key, (0.0, 0))
+            per_op[event.key] = (self_us + sign * event.self_cpu_time_total, calls + sign * event.count)
+    rows = sorted(per_op.items(), key=lambda item: -item[1][0])[:15]
+    lines = [f"{'op':45s} {'us/token':>9s} {'calls/token':>11s}"]
+    lines += [f"{name[:45]:45s} {us / tokens:9.1f} {calls / tokens:11.1f}" for name, (us, calls) in rows]
+    return "\n".join(lines)
 
 
 def time_llama_cpp(gguf: Path, prompt: list[int], tokens: int, repeats: int, threads: int) -> dict:
     import llama_cpp  # the bench extra
 
-    llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt) + tokens + 64, n_threads=threads, n_threads_batch=threads)
-    llm.verbose = False
+    llm = llama_cpp.Llama(
+        str(gguf), n_ctx=len(prompt) + tokens + 64, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     start = time.perf_counter()
     llm.eval(prompt)
     prefill = time.perf_counter() - start

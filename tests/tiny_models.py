@@ -9,6 +9,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+import draft_model
+import engine
 import int4
 
 ARCHITECTURES = {
@@ -128,3 +130,26 @@ def add_peft_adapter(hf_model, directory, **overrides):
     shutil.copy(adapter_dir / "adapter_model.safetensors", directory / "lora.safetensors")
     shutil.copy(adapter_dir / "adapter_config.json", directory / "lora_config.json")
     return peft_model
+
+
+def reference_greedy(hf_model, row: list[int], max_new_tokens: int) -> list[int]:
+    out = hf_model.generate(
+        torch.tensor([row]),
+        attention_mask=torch.ones(1, len(row), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+    return out[0, len(row) :].tolist()
+
+
+def random_rows(lengths: list[int], seed: int, vocab: int = 256) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def forward_all(drafter: draft_model.Drafter, tokens: list[int]) -> torch.Tensor:
+    """Our logits for every position of one sequence in one forward through cache slot 0: (T, vocab)."""
+    drafter.cache.clear_garbage([0], drafter.max_context)
+    pieces = engine.prefill_pieces([len(tokens)], reused=[0])  # one row: its tokens stay in order
+    plan = engine.plan_for(pieces, slots=[0], max_len=drafter.max_context, device=torch.device("cpu"))
+    return drafter.model.logits(drafter.model(torch.tensor(tokens), drafter.cache, plan))

@@ -1,0 +1,71 @@
+"""The layout keeps its shape: short files, imports that point one way, no reference outside the repository."""
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Each module may import only modules to its left (evidence/ and tests/ sit above all of them).
+LAYERS = [
+    "int4",
+    "kv_cache",
+    "transformer",
+    "package_manifest",
+    "checkpoint",
+    "engine",
+    "draft_model",
+    "server_settings",
+    "http_guards",
+    "batcher",
+    "server",
+]
+
+
+def tracked_python_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    return [REPO / line for line in listed.stdout.split()]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_top_level_modules_import_only_the_layers_below_them():
+    for rank, module in enumerate(LAYERS):
+        own = imported_modules(REPO / f"{module}.py") & set(LAYERS)
+        above = sorted(name for name in own if LAYERS.index(name) >= rank)
+        assert not above, f"{module}.py imports {above}, which sit at or above it in {LAYERS}"
+
+
+def test_no_project_module_imports_evidence_or_tests():
+    for module in LAYERS:
+        assert not imported_modules(REPO / f"{module}.py") & {"evidence", "tests"}, module
+
+
+def test_every_top_level_module_is_in_the_layers():
+    top_level = {path.stem for path in REPO.glob("*.py")}
+    assert top_level == set(LAYERS)
+
+
+@pytest.mark.parametrize("path", tracked_python_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_source_files_stay_short(path):
+    limit = 450 if path.name in ("draft_model.py", "server.py") else 600
+    assert len(path.read_text().splitlines()) <= limit
+
+
+def test_nothing_cites_a_document_outside_the_repository():
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        path = REPO / name
+        if path.suffix in (".py", ".md", ".json", ".sh", ".toml") and path.is_file() and path != Path(__file__):
+            text = path.read_text()
+            assert "DESIGN.md" not in text and "DESIGN section" not in text and "REFERENCE.md" not in text, name
