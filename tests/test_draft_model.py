@@ -1,5 +1,7 @@
 """The drafter core against transformers (and peft) as the reference: fp32 on CPU, no network."""
 
+import random
+
 import pytest
 import torch
 from tiny_models import (
@@ -308,3 +310,21 @@ def test_hybrid_rows_copy_repeats_and_the_rest_draft_as_before(qwen3):
 def test_max_context_must_fit_the_model(qwen3):
     with pytest.raises(draft_model.ModelLoadError, match="max_context 600 must lie in 1..512"):
         draft_model.load_model(qwen3[1], max_context=600)
+
+
+# Drafts of the shipped model/ on the exact path (dense fp32), recorded with the code before the drafter was
+# split into modules and its decode engine rewritten: restructuring must not change what model/ drafts.
+PINNED_MODEL_DRAFTS = [
+    [16280, 16280, 16280, 16280, 16280, 16280, 16280, 16280],
+    [438, 30, 1116, 34, 30, 12877, 3325, 19057],
+    [42, 198, 198, 198, 198, 198, 198, 198],
+    [28, 1770, 1770, 1770, 288, 1453, 42, 198],
+    [1770, 17, 198, 198, 504, 422, 422, 25],
+]
+
+
+def test_shipped_model_drafts_what_it_drafted_before_the_restructure(repo_root):
+    drafter = draft_model.load_model(repo_root / "model", "cpu", "float32", weights="dequant", cache_slots=8)
+    generator = random.Random(7)
+    rows = [[generator.randrange(drafter.vocab_size) for _ in range(n)] for n in (5, 40, 64, 100, 300)]
+    assert draft_model.draft_batch(drafter, rows, max_tokens=8, stop_token_ids=[]) == PINNED_MODEL_DRAFTS
