@@ -108,7 +108,8 @@ def decode(
     want_logprobs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Greedy decoding: each step feeds every live row its newest token. Rows that finish leave the batch,
-    which changes nothing for the others.
+    which changes nothing for the others. Which rows live is read on the host each step: free on the CPU,
+    a synchronisation on a GPU, where the step is not captured as a graph.
 
     Returns draft tokens (B, steps), how many of them each row drafted (B,), and their logprobs.
     """
@@ -123,8 +124,6 @@ def decode(
     live = (budget > 0).nonzero()[:, 0]  # the rows still drafting
     logits = logits[live]
     for step in range(steps):
-        if len(live) == 0:
-            break
         token = logits.max(dim=-1).indices  # (live,): the first maximum, as argmax, which is slower on bf16 rows
         tokens[live, step] = token
         if want_logprobs:
