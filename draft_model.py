@@ -86,7 +86,7 @@ def load_model(
 def reuse_freed_memory() -> bool:
     """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse instead of returning each to the
     OS. A long prefill allocates and frees tens of MiB per layer; by default every block over a few MiB
-    is fresh pages on each call (faults and zeroing), which cost a quarter of a 2,000-token prefill here.
+    is fresh pages on each call (faults and zeroing), a large share of a long prefill.
     The process then stays at its peak heap size. Process-wide, so servers and benchmarks call it, not
     load_model. False where the C library is not glibc (nothing changes)."""
     try:

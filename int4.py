@@ -127,7 +127,7 @@ def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, 
 
 
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts
-INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations run ~30x slower on these CPUs
+INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations take a much slower one
 # The kernel is a matrix-vector one: its cost grows with every row, so for a prefill's many rows
 # unpacking the layer to bf16 and one dense matmul is faster (transformer.py decides which rows).
 DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the kernel's 64-row blocks)
@@ -196,7 +196,7 @@ class Int4Linear(nn.Module):
         K, G = self.in_features, self.group_size
         stop = self.out_features if stop is None else stop
         centred = _unpack_kernel_layout(self.packed_weight[start:stop], stop - start, K).view(torch.int8) - 8
-        # Contiguous (K/G, 1, rows) scales: broadcasting the strided halves of scales_and_offsets is 5x slower.
+        # Contiguous (K/G, 1, rows) scales: broadcasting the strided halves of scales_and_offsets is slower.
         scales, offsets = (t[:, start:stop].contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1))
         weight = torch.addcmul(offsets, centred.view(K // G, G, stop - start).to(INT4_KERNEL_DTYPE), scales)
         return weight.view(K, stop - start).t()
