@@ -13,6 +13,7 @@ group), `quantize` (values onto a grid) and `dequantize` (integers back to weigh
 """
 
 import functools
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -134,6 +135,17 @@ DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the 
 
 
 @functools.cache
+def dense_matmul_dtype() -> torch.dtype:
+    """The dtype a prefill's unpacked matmuls run in: bf16 where the CPU multiplies bf16 in hardware (AMX or
+    AVX512-BF16), else fp32, since oneDNN's emulated bf16 matmul is slower than fp32 there."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return INT4_KERNEL_DTYPE
+    return INT4_KERNEL_DTYPE if "amx_bf16" in flags or "avx512_bf16" in flags else torch.float32
+
+
+@functools.cache
 def kernel_layout_is_known() -> bool:
     """Does the kernel pack weights the way Int4Linear.dense_weight reads them? Its layout is PyTorch's
     internal business, so check once per process on known values rather than trust it."""
@@ -189,16 +201,20 @@ class Int4Linear(nn.Module):
             return "act-order g_idx reorders groups"
         return None
 
-    def dense_weight(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows start..stop-1 (multiples of 64; default all) of the (N, K) bf16 weight the kernel multiplies
-        by, (q - 8) * scale + offset per group, as the transposed view of a contiguous (K, rows) tensor:
-        the layout the kernel's bytes unpack to cheaply, and the one a prefill's x @ W^T wants."""
+    def dense_weight(
+        self, start: int = 0, stop: int | None = None, dtype: torch.dtype = INT4_KERNEL_DTYPE
+    ) -> torch.Tensor:
+        """Rows start..stop-1 (multiples of 64; default all) of the (N, K) weight the kernel multiplies by,
+        (q - 8) * scale + offset per group, in `dtype`, as the transposed view of a contiguous (K, rows)
+        tensor: the layout the kernel's bytes unpack to cheaply, and the one a prefill's x @ W^T wants."""
         K, G = self.in_features, self.group_size
         stop = self.out_features if stop is None else stop
         centred = _unpack_kernel_layout(self.packed_weight[start:stop], stop - start, K).view(torch.int8) - 8
         # Contiguous (K/G, 1, rows) scales: broadcasting the strided halves of scales_and_offsets is slower.
-        scales, offsets = (t[:, start:stop].contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1))
-        weight = torch.addcmul(offsets, centred.view(K // G, G, stop - start).to(INT4_KERNEL_DTYPE), scales)
+        scales, offsets = (
+            t[:, start:stop].to(dtype).contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1)
+        )
+        weight = torch.addcmul(offsets, centred.view(K // G, G, stop - start).to(dtype), scales)
         return weight.view(K, stop - start).t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -226,13 +242,11 @@ class Int4Linear(nn.Module):
             # Unpacked a block of output rows at a time, so the temporaries stay small (a whole fused
             # layer at once is fresh pages on every call).
             blocks = range(0, self.out_features, DENSE_PREFILL_BLOCK)
-            dense = x[:dense_rows]
-            parts.append(
-                torch.cat(
-                    [dense @ self.dense_weight(b, min(b + DENSE_PREFILL_BLOCK, self.out_features)).t() for b in blocks],
-                    dim=-1,
-                )
-            )
+            dtype = dense_matmul_dtype()
+            dense = x[:dense_rows].to(dtype)
+            stops = [min(b + DENSE_PREFILL_BLOCK, self.out_features) for b in blocks]
+            out = torch.cat([dense @ self.dense_weight(b, stop, dtype).t() for b, stop in zip(blocks, stops)], dim=-1)
+            parts.append(out.to(x.dtype))
         if dense_rows < x.shape[0]:
             parts.append(
                 torch.ops.aten._weight_int4pack_mm_for_cpu(
