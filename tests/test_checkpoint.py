@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import (
     add_peft_adapter,
     forward_all,
+    gptq_quant_config,
     make_hf_model,
     quantize_into,
     random_rows,
@@ -59,15 +60,8 @@ def test_gptq_checkpoint_loads_to_the_weights_the_format_defines(tmp_path, case)
         "qwen3", hidden_size=128, intermediate_size=256, head_dim=32, tie_word_embeddings=case["sym"]
     )
     gptq = quantize_into(hf_model, case["group_size"], case["sym"], case["desc_act"], seed=10)
-    quant_config = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": case["group_size"],
-        "sym": case["sym"],
-        "desc_act": case["desc_act"],
-        "checkpoint_format": "gptq",
-    }
-    write_gptq_checkpoint(hf_model, tmp_path, gptq, quant_config, case["as_package"])
+    quant_config = gptq_quant_config(group_size=case["group_size"], sym=case["sym"], desc_act=case["desc_act"])
+    write_gptq_checkpoint(hf_model, tmp_path, gptq, quant_config, as_package=case["as_package"])
     drafter = draft_model.load_model(tmp_path, cache_slots=4, weights="dequant")
     assert drafter.dtype == torch.float32 and drafter.weights == "dense"
     reference = hf_model.state_dict()
@@ -84,15 +78,7 @@ def test_gptq_checkpoint_loads_to_the_weights_the_format_defines(tmp_path, case)
 def gptq_package(tmp_path):
     hf_model = make_hf_model("qwen3")
     gptq = quantize_into(hf_model, 32, True, False, seed=12)
-    quant_config = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": 32,
-        "sym": True,
-        "desc_act": False,
-        "checkpoint_format": "gptq",
-    }
-    write_gptq_checkpoint(hf_model, tmp_path / "package", gptq, quant_config, as_package=True)
+    write_gptq_checkpoint(hf_model, tmp_path / "package", gptq, gptq_quant_config(group_size=32), as_package=True)
     return hf_model, tmp_path / "package"
 
 

@@ -107,15 +107,7 @@ def write_package_with_int4_embedding(hf_model, directory, seed: int) -> None:
     table = int4.rtn_quantize(hf_model.model.embed_tokens.weight.detach(), 32, sym=False)
     hf_model.model.embed_tokens.weight.data = int4.gptq_dequantize(**table)
     gptq.update({f"model.embed_tokens.{part}": tensor for part, tensor in table.items()})
-    quant_config = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": 32,
-        "sym": True,
-        "desc_act": False,
-        "checkpoint_format": "gptq",
-        "quantized_embedding": {"group_size": 32},
-    }
+    quant_config = gptq_quant_config(group_size=32) | {"quantized_embedding": {"group_size": 32}}
     write_gptq_checkpoint(hf_model, directory, gptq, quant_config, as_package=True)
 
 
@@ -153,3 +145,15 @@ def forward_all(drafter: draft_model.Drafter, tokens: list[int]) -> torch.Tensor
     pieces = engine.prefill_pieces([len(tokens)], reused=[0])  # one row: its tokens stay in order
     plan = engine.plan_for(pieces, slots=[0], max_len=drafter.max_context, device=torch.device("cpu"))
     return drafter.model.logits(drafter.model(torch.tensor(tokens), drafter.cache, plan))
+
+
+def gptq_quant_config(group_size: int, sym: bool = True, desc_act: bool = False) -> dict:
+    """A quant_config.json (Hugging Face GPTQConfig field names) for a 4-bit GPTQ v1 checkpoint."""
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": sym,
+        "desc_act": desc_act,
+        "checkpoint_format": "gptq",
+    }
