@@ -19,17 +19,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Literal
 
 import fastapi
 import torch
 import uvicorn
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 import draft_model
 import server_settings
+from api_schema import BatchItemResult, BatchResponse, DraftResponse, ErrorResponse, request_models
 from batcher import Batcher, DraftFailed, PendingDraft, Unavailable
 from http_guards import (
     Metrics,
@@ -53,116 +52,16 @@ HEALTH_LIMITS = ("max_draft_tokens", "max_batch_size", "max_wait_ms", "max_queue
 # ----------------------------------------------------------------------------- request / response
 
 
-def whole_number(value):
-    """JSON Schema counts 6.0 as an integer, so the schema's promise holds only if it is accepted as 6;
-    a bool or a string is still refused (no coercion to a number)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-JsonInt = Annotated[StrictInt, BeforeValidator(whole_number)]
-
-
-def request_models(vocab_size: int, max_context: int, max_draft_tokens: int, max_items: int) -> tuple[type, type]:
-    """The /draft and /draft/batch bodies, built for the loaded model so /openapi.json states its limits.
-
-    The token-id bounds are checked by the handler, not by pydantic, so that an id from another
-    tokenizer gets a 400 naming the drafter's vocabulary; within a batch that 400 is one item's answer,
-    so the batch's item schema leaves the bounds out (a schema-valid batch is always answered 200)."""
-
-    class DraftFields(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        token_ids: list[JsonInt] = Field(
-            description=f"Token ids of the conversation so far: 1..{max_context} ids (more with truncate), "
-            f"each in 0..{vocab_size - 1}.",
-            examples=[[min(token_id, vocab_size - 1) for token_id in (1, 2, 3)]],
-        )
-        max_tokens: JsonInt = Field(
-            default=min(16, max_draft_tokens), ge=1, le=max_draft_tokens, description="Most draft tokens to return."
-        )
-        return_logprobs: StrictBool = Field(
-            default=False, description="Also return the drafter's log-probability of each draft token."
-        )
-        min_confidence: StrictFloat | None = Field(
-            default=None,
-            ge=0.0,
-            le=1.0,
-            description="Adaptive draft length: stop after a draft token whose probability is below this "
-            "(that token is still returned). Default: the server's --min-confidence.",
-        )
-        lookup_min_match: (
-            Annotated[StrictInt, Field(ge=0, le=draft_model.LOOKUP_MAX_MATCH), BeforeValidator(whole_number)] | None
-        ) = Field(
-            default=None,
-            description="Hybrid drafting: when token_ids end in an n-gram of at least this many tokens that occurred "
-            "earlier in token_ids, return what followed it (source 'lookup') instead of a model draft; 0: off. "
-            "Default: the server's --lookup-min-match.",
-        )
-        truncate: StrictBool = Field(
-            default=False,
-            description=f"Accept more than {max_context} ids and draft from the most recent ones "
-            "(truncated_tokens in the answer says how many were dropped from the front).",
-        )
-        session_id: StrictStr | None = Field(
-            default=None, max_length=256, description="Conversation id for routers that hash the body; not used here."
-        )
-
-    def state_model_limits(schema: dict) -> None:
-        schema["properties"]["token_ids"].update(
-            minItems=1, items={"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
-        )
-        # At most max_context ids unless the request asks for truncation.
-        schema["if"] = {"properties": {"truncate": {"const": True}}, "required": ["truncate"]}
-        schema["else"] = {"properties": {"token_ids": {"maxItems": max_context}}}
-
-    class DraftRequest(DraftFields):
-        model_config = ConfigDict(extra="forbid", json_schema_extra=state_model_limits)
-
-    class BatchItem(DraftFields):
-        pass
-
-    class BatchRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        items: list[BatchItem] = Field(
-            min_length=1, max_length=max_items, description="Draft requests, answered in this order."
-        )
-
-    return DraftRequest, BatchRequest
-
-
-class DraftResponse(BaseModel):
-    draft_token_ids: list[int] = Field(
-        description="Greedy draft tokens; fewer than max_tokens at EOS or the context limit."
-    )
-    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
-    logprobs: list[float] | None = Field(
-        description="Log-probability of each draft token, if asked for (null for a lookup draft: no model ran)."
-    )
-    source: Literal["model", "lookup"] = Field(
-        description="'model': the drafter's greedy tokens; 'lookup': copied from token_ids (hybrid drafting)."
-    )
-    truncated_tokens: int = Field(default=0, description="Ids dropped from the front of token_ids (truncate).")
-
-
-class BatchItemResult(BaseModel):
-    status: int = Field(description="The status /draft would have answered for this item alone.")
-    draft: DraftResponse | None = Field(default=None, description="The draft, when status is 200.")
-    detail: str | None = Field(default=None, description="What went wrong, when status is not 200.")
-
-
-class BatchResponse(BaseModel):
-    results: list[BatchItemResult] = Field(description="One result per item, in the order of the items.")
-
-
-class ErrorResponse(BaseModel):
-    detail: str
-
-
 class DraftError(Exception):
     """One draft request's error status; /draft raises it as an HTTP error, /draft/batch reports it per item."""
 
     def __init__(self, status: int, detail: str):
         super().__init__(detail)
         self.status, self.detail = status, detail
+
+    def as_http(self) -> fastapi.HTTPException:
+        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else None
+        return fastapi.HTTPException(self.status, self.detail, retry)
 
 
 def kept_tokens(token_ids: list[int], max_context: int, max_tokens: int) -> int:
@@ -179,75 +78,74 @@ def kept_tokens(token_ids: list[int], max_context: int, max_tokens: int) -> int:
 
 # ----------------------------------------------------------------------------- app
 
+ERROR_RESPONSES = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in {
+        400: "Token ids outside the vocabulary, empty, or longer than the context (without truncate)",
+        401: "Missing or wrong API key (only when the server has one)",
+        413: "Request body too large",
+        422: "Body does not fit the schema",
+        500: "Drafting failed for this request's batch",
+        503: "Queue full, queue deadline passed, or draining; retry after Retry-After seconds",
+    }.items()
+}
 
-def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastapi.FastAPI:
-    """The FastAPI app around a loaded drafter; the batcher starts in the lifespan (it needs the loop)."""
-    metrics = Metrics(settings.max_batch_size)
-    vocabulary = drafter.model_card.get("vocabulary")
 
-    def draft_fn(batch, max_tokens, min_confidence, lookup_min_match, return_logprobs) -> list[draft_model.Draft]:
+class DraftService:
+    """What the routes ask of the loaded drafter: check a request against the model, queue it on the batcher,
+    turn its draft into an answer, report health. The batcher starts in the lifespan (it needs the loop)."""
+
+    def __init__(self, settings: ServerSettings, drafter: draft_model.Drafter):
+        self.settings, self.drafter = settings, drafter
+        self.metrics = Metrics(settings.max_batch_size)
+        self.vocabulary = drafter.model_card.get("vocabulary")
+        self.replica = replica_name(settings.host, settings.port)
+        self.batcher: Batcher  # set by lifespan
+
+    def draft(self, batch, max_tokens, min_confidence, lookup_min_match, return_logprobs) -> list[draft_model.Draft]:
+        """The batcher's draft_fn, called in its worker thread."""
         options = {"min_confidence": min_confidence, "lookup_min_match": lookup_min_match}
-        return draft_model.draft_batch(drafter, batch, max_tokens, return_logprobs, **options)
+        return draft_model.draft_batch(self.drafter, batch, max_tokens, return_logprobs, **options)
 
     @asynccontextmanager
-    async def lifespan(app: fastapi.FastAPI):
-        app.state.batcher = Batcher(
-            draft_fn,
-            max_batch_size=settings.max_batch_size,
-            max_wait_ms=settings.max_wait_ms,
-            max_queue=settings.max_queue,
-            queue_deadline_s=settings.queue_deadline_s,
-            metrics=metrics,
+    async def lifespan(self, app: fastapi.FastAPI):
+        self.batcher = Batcher(
+            self.draft,
+            max_batch_size=self.settings.max_batch_size,
+            max_wait_ms=self.settings.max_wait_ms,
+            max_queue=self.settings.max_queue,
+            queue_deadline_s=self.settings.queue_deadline_s,
+            metrics=self.metrics,
         )
-        app.state.batcher.start()
+        self.batcher.start()
         yield
         # uvicorn calls this after in-flight requests have been answered; drain whatever is still queued.
-        await app.state.batcher.stop()
+        await self.batcher.stop()
         log.info("batcher stopped; all queued requests answered")
 
-    app = fastapi.FastAPI(
-        title="Draft server",
-        version="1",
-        description=f"Greedy draft tokens from {drafter.describe()['name']}, for speculative decoding.",
-        lifespan=lifespan,
-    )
-    DraftRequest, BatchRequest = request_models(
-        drafter.vocab_size, drafter.max_context, settings.max_draft_tokens, settings.max_queue
-    )
-    error_responses = {
-        code: {"model": ErrorResponse, "description": text}
-        for code, text in {
-            400: "Token ids outside the vocabulary, empty, or longer than the context (without truncate)",
-            401: "Missing or wrong API key (only when the server has one)",
-            413: "Request body too large",
-            422: "Body does not fit the schema",
-            500: "Drafting failed for this request's batch",
-            503: "Queue full, queue deadline passed, or draining; retry after Retry-After seconds",
-        }.items()
-    }
-
-    def submit(request) -> tuple[PendingDraft, int]:
+    def submit(self, request) -> tuple[PendingDraft, int]:
         """Check one request against the model and queue it; (its pending draft, ids truncated)."""
+        drafter, settings = self.drafter, self.settings
         start = kept_tokens(request.token_ids, drafter.max_context, request.max_tokens) if request.truncate else 0
         token_ids = request.token_ids[start:]
-        problem = draft_model.token_ids_problem(token_ids, drafter.vocab_size, drafter.max_context, vocabulary)
+        problem = draft_model.token_ids_problem(token_ids, drafter.vocab_size, drafter.max_context, self.vocabulary)
         if problem:
             hint = '; send "truncate": true to draft from the most recent ids' if "context limit" in problem else ""
             raise DraftError(400, f"token_ids: {problem}{hint}")
         min_confidence = settings.min_confidence if request.min_confidence is None else request.min_confidence
         min_match = settings.lookup_min_match if request.lookup_min_match is None else request.lookup_min_match
         try:
-            pending = app.state.batcher.submit(
+            pending = self.batcher.submit(
                 token_ids, request.max_tokens, min_confidence, min_match, request.return_logprobs
             )
         except Unavailable as reason:
             raise DraftError(503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s") from None
         return pending, start
 
-    async def answer(pending: PendingDraft, truncated: int, request, client_left) -> DraftResponse | None:
+    async def answer(self, pending: PendingDraft, truncated: int, request, client_left) -> DraftResponse | None:
         """The draft of a queued request; None when the client hung up first."""
         try:
-            result = await app.state.batcher.wait(pending, client_left)
+            result = await self.batcher.wait(pending, client_left)
         except Unavailable as reason:
             raise DraftError(503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s") from None
         except DraftFailed as failure:
@@ -262,94 +160,120 @@ def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastap
             truncated_tokens=truncated,
         )
 
-    def http_error(error: DraftError) -> fastapi.HTTPException:
-        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
-        return fastapi.HTTPException(error.status, error.detail, retry)
+    async def batch_item_result(
+        self, item, submitted: tuple[PendingDraft, int] | DraftError, client_left
+    ) -> BatchItemResult | None:
+        """One /draft/batch item's result, from what submit gave for it; None when the client hung up first."""
+        if isinstance(submitted, DraftError):
+            return BatchItemResult(status=submitted.status, detail=submitted.detail)
+        try:
+            response = await self.answer(*submitted, item, client_left)
+        except DraftError as error:
+            return BatchItemResult(status=error.status, detail=error.detail)
+        return None if response is None else BatchItemResult(status=200, draft=response)
 
-    @app.post("/draft", response_model=DraftResponse, responses=error_responses)
+    def health(self) -> dict:
+        if not self.batcher.running:  # nothing would ever answer /draft: say so to the balancer
+            raise DraftError(503, "the batcher is not running; restart the server").as_http()
+        if not self.batcher.accepting:
+            raise DraftError(503, "draining: this replica answers what it has queued, then stops").as_http()
+        return {
+            "status": "ok",
+            "pid": os.getpid(),
+            "replica": self.replica,
+            "model": self.drafter.describe(),
+            "random_weights": bool(self.drafter.model_card.get("random_weights", False)),
+            "queue_depth": self.batcher.queue.qsize(),
+            "limits": {"vocab_size": self.drafter.vocab_size, "max_context": self.drafter.max_context}
+            | {name: getattr(self.settings, name) for name in HEALTH_LIMITS},
+            "auth_required": self.settings.api_key is not None,
+        }
+
+
+def add_draft_routes(app: fastapi.FastAPI, service: DraftService) -> None:
+    """POST /draft and POST /draft/batch, their bodies built for the loaded model's limits."""
+    drafter, settings = service.drafter, service.settings
+    DraftRequest, BatchRequest = request_models(
+        drafter.vocab_size, drafter.max_context, settings.max_draft_tokens, settings.max_queue
+    )
+
+    @app.post("/draft", response_model=DraftResponse, responses=ERROR_RESPONSES)
     async def draft(request: DraftRequest, http_request: fastapi.Request) -> DraftResponse | Response:  # type: ignore[valid-type]
         client_left = asyncio.ensure_future(http_request.receive())  # the body is read: only a disconnect is left
         try:
-            response = await answer(*submit(request), request, client_left)
+            response = await service.answer(*service.submit(request), request, client_left)
         except DraftError as error:
-            raise http_error(error) from None
+            raise error.as_http() from None
         finally:
             client_left.cancel()
         return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
 
-    @app.post("/draft/batch", response_model=BatchResponse, responses=error_responses)
+    @app.post("/draft/batch", response_model=BatchResponse, responses=ERROR_RESPONSES)
     async def draft_batch(batch: BatchRequest, http_request: fastapi.Request) -> BatchResponse | Response:  # type: ignore[valid-type]
         """Several draft requests in one round trip; each item gets the status /draft would have given it."""
         client_left = asyncio.ensure_future(http_request.receive())
         queued: list[tuple[PendingDraft, int] | DraftError] = []
         for item in batch.items:  # all queued before any is awaited, so they can share a batch
             try:
-                queued.append(submit(item))
+                queued.append(service.submit(item))
             except DraftError as error:
                 queued.append(error)
-
-        async def result(item, submitted) -> BatchItemResult | None:
-            if isinstance(submitted, DraftError):
-                return BatchItemResult(status=submitted.status, detail=submitted.detail)
-            try:
-                response = await answer(*submitted, item, client_left)
-            except DraftError as error:
-                return BatchItemResult(status=error.status, detail=error.detail)
-            return None if response is None else BatchItemResult(status=200, draft=response)
-
+        answers = (service.batch_item_result(item, q, client_left) for item, q in zip(batch.items, queued, strict=True))
         try:
-            results = await asyncio.gather(*(result(item, q) for item, q in zip(batch.items, queued, strict=True)))
+            results = await asyncio.gather(*answers)
         finally:
             client_left.cancel()
         if any(r is None for r in results):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return BatchResponse(results=results)
 
+
+def add_status_routes(app: fastapi.FastAPI, service: DraftService) -> None:
+    """GET /health for load balancers and GET /metrics for Prometheus."""
+
     @app.get("/health")
     async def health() -> dict:
-        batcher = app.state.batcher
-        if not batcher.running:  # nothing would ever answer /draft: say so to the balancer
-            raise http_error(DraftError(503, "the batcher is not running; restart the server"))
-        if not batcher.accepting:
-            raise http_error(DraftError(503, "draining: this replica answers what it has queued, then stops"))
-        return {
-            "status": "ok",
-            "pid": os.getpid(),
-            "replica": replica,
-            "model": drafter.describe(),
-            "random_weights": bool(drafter.model_card.get("random_weights", False)),
-            "queue_depth": batcher.queue.qsize(),
-            "limits": {"vocab_size": drafter.vocab_size, "max_context": drafter.max_context}
-            | {name: getattr(settings, name) for name in HEALTH_LIMITS},
-            "auth_required": settings.api_key is not None,
-        }
+        return service.health()
 
     @app.get("/metrics", response_class=Response)
     async def metrics_text() -> Response:
-        return Response(metrics.text(), media_type=metrics.content_type)
+        return Response(service.metrics.text(), media_type=service.metrics.content_type)
 
-    @app.exception_handler(RequestValidationError)
-    async def schema_error(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:
-        detail = describe_validation_errors(error.errors())
-        content_type = request.headers.get("content-type", "")
-        if request.method == "POST" and not content_type.startswith("application/json"):
-            sent_as = content_type or "no content type"
-            detail += f" (the body was sent as {sent_as!r}; send JSON with Content-Type: application/json)"
-        return JSONResponse({"detail": detail}, status_code=422)
 
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: fastapi.Request, error: Exception) -> JSONResponse:
-        # Starlette re-raises after this response is sent, so uvicorn logs the traceback (server side only).
-        return JSONResponse({"detail": "internal server error; the server log has the details"}, status_code=500)
+async def schema_error(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:
+    detail = describe_validation_errors(error.errors())
+    content_type = request.headers.get("content-type", "")
+    if request.method == "POST" and not content_type.startswith("application/json"):
+        sent_as = content_type or "no content type"
+        detail += f" (the body was sent as {sent_as!r}; send JSON with Content-Type: application/json)"
+    return JSONResponse({"detail": detail}, status_code=422)
 
+
+async def unexpected_error(request: fastapi.Request, error: Exception) -> JSONResponse:
+    # Starlette re-raises after this response is sent, so uvicorn logs the traceback (server side only).
+    return JSONResponse({"detail": "internal server error; the server log has the details"}, status_code=500)
+
+
+def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastapi.FastAPI:
+    """The FastAPI app around a loaded drafter; the batcher starts in the lifespan (it needs the loop)."""
+    service = DraftService(settings, drafter)
+    app = fastapi.FastAPI(
+        title="Draft server",
+        version="1",
+        description=f"Greedy draft tokens from {drafter.describe()['name']}, for speculative decoding.",
+        lifespan=service.lifespan,
+        exception_handlers={RequestValidationError: schema_error, Exception: unexpected_error},
+    )
+    app.state.service = service  # main drains its batcher on SIGTERM
+    add_draft_routes(app, service)
+    add_status_routes(app, service)
     # The last middleware added runs first: name the replica, count and time everything, then authenticate,
     # then size the body.
-    replica = replica_name(settings.host, settings.port)
     app.add_middleware(limit_body_size, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(require_api_key, api_key=settings.api_key)
-    app.add_middleware(measure_requests, metrics=metrics)
-    app.add_middleware(add_response_header, name=REPLICA_HEADER, value=replica)
+    app.add_middleware(measure_requests, metrics=service.metrics)
+    app.add_middleware(add_response_header, name=REPLICA_HEADER, value=service.replica)
     return app
 
 
@@ -435,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=settings.log_level,
         access_log=settings.access_log,
     )
-    DrainingServer(config, drain=lambda: app.state.batcher.drain(), drain_seconds=settings.drain_seconds).run()
+    DrainingServer(config, drain=lambda: app.state.service.batcher.drain(), drain_seconds=settings.drain_seconds).run()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ LAYERS = [
     "server_settings",
     "http_guards",
     "batcher",
+    "api_schema",
     "server",
 ]
 
