@@ -228,8 +228,8 @@ def draft_batch(
     A row stops after drafting a stop token (default: the model's eos ids), at the context limit, or
     after drafting a token whose probability is below its `min_confidence` (adaptive draft length:
     that token is still returned, since verifying one more token costs the target almost nothing).
-    Prefixes already in the cache are not recomputed. In fp32 a row's draft does not depend on the
-    rest of its batch nor on the cache; in bf16 (the packed INT4 path) a near-tie can flip with them.
+    Prefixes already in the cache are not recomputed. A row's draft is bit-identical whatever the rest
+    of its batch and whether its prefix came from the cache, on every path (engine.py says how).
 
     Hybrid drafting: a row with a `lookup_min_match` whose own tokens end in an n-gram of at least that
     many tokens seen earlier in the row gets what followed it (prompt_lookup; source "lookup", no
