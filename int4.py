@@ -132,6 +132,17 @@ INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations take a muc
 # The kernel is a matrix-vector one: its cost grows with every row, so for a prefill's many rows
 # unpacking the layer to bf16 and one dense matmul is faster (transformer.py decides which rows).
 DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the kernel's 64-row blocks)
+DENSE_ROW_BLOCK = 64  # input rows per unpacked matmul: a prefill's dense rows come in chunks of 64
+
+
+def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
+    """a (..., M, K) @ b (..., K, N), `block` rows of a at a time (the last block zero-padded), so each row's
+    result is that of the same (block, K) x (K, N) product whatever M is. BLAS libraries choose kernels, and
+    with several threads split the K reduction, by the sizes of the whole product."""
+    rows = a.shape[-2]
+    if rows % block:
+        a = torch.cat([a, a.new_zeros(*a.shape[:-2], block - rows % block, a.shape[-1])], dim=-2)
+    return torch.cat([part @ b for part in a.split(block, dim=-2)], dim=-2)[..., :rows, :]
 
 
 @functools.cache
@@ -245,7 +256,8 @@ class Int4Linear(nn.Module):
             dtype = dense_matmul_dtype()
             dense = x[:dense_rows].to(dtype)
             stops = [min(b + DENSE_PREFILL_BLOCK, self.out_features) for b in blocks]
-            out = torch.cat([dense @ self.dense_weight(b, stop, dtype).t() for b, stop in zip(blocks, stops)], dim=-1)
+            weights = [self.dense_weight(b, stop, dtype).t() for b, stop in zip(blocks, stops)]  # (K, rows) each
+            out = torch.cat([blockwise_matmul(dense, weight, DENSE_ROW_BLOCK) for weight in weights], dim=-1)
             parts.append(out.to(x.dtype))
         if dense_rows < x.shape[0]:
             parts.append(

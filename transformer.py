@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from int4 import Int4Linear
+from int4 import Int4Linear, blockwise_matmul
 from kv_cache import KVCache
 
 
@@ -74,8 +74,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # its own sequence and never the size of the batch it happens to share.
 
 
-# A dense matmul of fewer rows than this takes a matrix-vector kernel whose rows differ in the last bits
-# from the matrix-matrix one; padding a few rows up to it keeps every row's result the same at any N.
+# Dense matmuls run this many rows at a time: fewer rows take a matrix-vector kernel whose rows differ in the
+# last bits from the matrix-matrix one, and more let the library change its blocking with the size.
 MIN_MATMUL_ROWS = 16
 
 
@@ -88,11 +88,8 @@ def project(layer: nn.Module, x: torch.Tensor, dense_rows: int) -> torch.Tensor:
 
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose rows do not depend on how many rows x (N, in) has."""
-    rows = x.shape[0]
-    if rows >= MIN_MATMUL_ROWS:
-        return F.linear(x, weight, bias)
-    padded = torch.cat([x, x.new_zeros(MIN_MATMUL_ROWS - rows, x.shape[1])])
-    return F.linear(padded, weight, bias)[:rows]
+    out = blockwise_matmul(x, weight.t(), MIN_MATMUL_ROWS)
+    return out if bias is None else out + bias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,13 +213,14 @@ class Segment:
     complete_chunk: bool  # a whole CHUNK of positions: attention in the model's dtype, else in fp32
 
     def mask(self, device: torch.device, rows_per_query: int, min_rows: int) -> torch.Tensor:
-        """(max(T * rows_per_query, min_rows), window): 0 where query t (each of its rows) may see the key,
+        """(T * rows_per_query rounded up to a multiple of min_rows, window): 0 where query t (each of its rows)
+        may see the key,
         that is where key position <= position + t, and -inf elsewhere; padding rows see every key (so a
         padding row's softmax is never all -inf)."""
         keys = torch.arange(self.window, device=device)
         queries = torch.arange(self.position, self.stop - self.start + self.position, device=device)
         hidden = (keys[None, :] > queries[:, None]).repeat_interleave(rows_per_query, dim=0)
-        mask = torch.zeros(max(hidden.shape[0], min_rows), self.window, device=device)
+        mask = torch.zeros(-(-max(hidden.shape[0], 1) // min_rows) * min_rows, self.window, device=device)
         mask[: hidden.shape[0]].masked_fill_(hidden, float("-inf"))
         return mask
 
@@ -237,7 +235,7 @@ class Plan:
     dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # made by the first layer, read by all
 
-    def mask(self, index: int, rows_per_query: int = 1, min_rows: int = 0) -> torch.Tensor:
+    def mask(self, index: int, rows_per_query: int = 1, min_rows: int = 1) -> torch.Tensor:
         if index not in self.masks:
             self.masks[index] = self.segments[index].mask(self.positions.device, rows_per_query, min_rows)
         return self.masks[index]
@@ -255,7 +253,7 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A few queries q (T, H, D) (a decode step, a sequence's last chunk) over keys, values (H_kv, window, D),
     in fp32 matmuls -> (T, H, D). mask (R, window) holds one row per query and head of a group, padded to
-    at least MIN_MATMUL_ROWS rows: then each query's result does not depend on how many share the call.
+    a multiple of MIN_MATMUL_ROWS rows: then each query's result does not depend on how many share the call.
     The flash kernel is avoided here: in bf16 it costs several times more per query, and in fp32 a
     query's result changes with the number of queries beside it."""
     T, H, D = q.shape
@@ -263,8 +261,8 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     grouped = q.float().view(T, H_kv, H // H_kv, D).transpose(0, 1).reshape(H_kv, T * H // H_kv, D)
     if grouped.shape[1] < mask.shape[0]:
         grouped = torch.cat([grouped, grouped.new_zeros(H_kv, mask.shape[0] - grouped.shape[1], D)], dim=1)
-    scores = torch.baddbmm(mask, grouped, keys.float().transpose(1, 2), alpha=D**-0.5)  # (H_kv, R, window)
-    out = scores.softmax(dim=-1) @ values.float()  # (H_kv, R, D)
+    scores = blockwise_matmul(grouped, keys.float().transpose(1, 2), MIN_MATMUL_ROWS).mul_(D**-0.5).add_(mask)
+    out = blockwise_matmul(scores.softmax(dim=-1), values.float(), MIN_MATMUL_ROWS)  # (H_kv, R, D)
     return out[:, : T * H // H_kv].view(H_kv, T, H // H_kv, D).transpose(0, 1).reshape(T, H, D).to(q.dtype)
 
 
