@@ -304,14 +304,15 @@ def test_disconnecting_clients_do_not_break_their_batch(client: httpx.Client, li
 
 
 def test_clients_that_hang_up_while_queued_are_not_drafted(server, tiny_checkpoint, reference):
-    """Behind four one-at-a-time 64-token drafts, a client that gives up after 20 ms is still queued."""
+    """Behind four one-at-a-time 64-token drafts, a client that gives up 20 ms after sending is still queued
+    (only the wait for the answer is that short: a slow connect on a loaded machine must not count)."""
     running = server(tiny_checkpoint, "--max-batch-size", "1", "--max-wait-ms", "0")
     patient_requests = [(prompt(300, seed=700 + i), 64) for i in range(4)]
 
     async def send() -> list:
         async with (
             httpx.AsyncClient(base_url=running.url, timeout=120) as patient,
-            httpx.AsyncClient(base_url=running.url, timeout=0.02) as impatient,
+            httpx.AsyncClient(base_url=running.url, timeout=httpx.Timeout(10, read=0.02)) as impatient,
         ):
             kept = [
                 asyncio.create_task(patient.post("/draft", json={"token_ids": t, "max_tokens": n}))
