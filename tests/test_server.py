@@ -290,7 +290,7 @@ def test_disconnecting_clients_do_not_break_their_batch(client: httpx.Client, li
     async def send_and_abandon() -> list:
         async with (
             httpx.AsyncClient(base_url=live.url, headers=AUTH, timeout=120) as patient,
-            httpx.AsyncClient(base_url=live.url, headers=AUTH, timeout=0.02) as impatient,
+            httpx.AsyncClient(base_url=live.url, headers=AUTH, timeout=httpx.Timeout(10, read=0.02)) as impatient,
         ):
             kept = [patient.post("/draft", json={"token_ids": t, "max_tokens": n}) for t, n in requests[::2]]
             dropped = [impatient.post("/draft", json={"token_ids": t, "max_tokens": n}) for t, n in requests[1::2]]
