@@ -212,17 +212,13 @@ class Segment:
     window: int
     complete_chunk: bool  # a whole CHUNK of positions: attention in the model's dtype, else in fp32
 
-    def mask(self, device: torch.device, rows_per_query: int, min_rows: int) -> torch.Tensor:
-        """(T * rows_per_query rounded up to a multiple of min_rows, window): 0 where query t (each of its rows)
-        may see the key,
-        that is where key position <= position + t, and -inf elsewhere; padding rows see every key (so a
-        padding row's softmax is never all -inf)."""
+    def mask(self, device: torch.device, rows_per_query: int) -> torch.Tensor:
+        """(T * rows_per_query, window): 0 where query t (each of its rows) may see the key, that is where
+        key position <= position + t, and -inf elsewhere."""
         keys = torch.arange(self.window, device=device)
         queries = torch.arange(self.position, self.stop - self.start + self.position, device=device)
         hidden = (keys[None, :] > queries[:, None]).repeat_interleave(rows_per_query, dim=0)
-        mask = torch.zeros(-(-max(hidden.shape[0], 1) // min_rows) * min_rows, self.window, device=device)
-        mask[: hidden.shape[0]].masked_fill_(hidden, float("-inf"))
-        return mask
+        return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
 
 
 @dataclass
@@ -235,9 +231,9 @@ class Plan:
     dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # made by the first layer, read by all
 
-    def mask(self, index: int, rows_per_query: int = 1, min_rows: int = 1) -> torch.Tensor:
+    def mask(self, index: int, rows_per_query: int = 1) -> torch.Tensor:
         if index not in self.masks:
-            self.masks[index] = self.segments[index].mask(self.positions.device, rows_per_query, min_rows)
+            self.masks[index] = self.segments[index].mask(self.positions.device, rows_per_query)
         return self.masks[index]
 
 
@@ -252,18 +248,16 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
 
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A few queries q (T, H, D) (a decode step, a sequence's last chunk) over keys, values (H_kv, window, D),
-    in fp32 matmuls -> (T, H, D). mask (R, window) holds one row per query and head of a group, padded to
-    a multiple of MIN_MATMUL_ROWS rows: then each query's result does not depend on how many share the call.
+    in fp32 matmuls -> (T, H, D). mask (R, window) holds one row per query and head of a group. The matmuls
+    run MIN_MATMUL_ROWS rows at a time, so each query's result does not depend on how many share the call.
     The flash kernel is avoided here: in bf16 it costs several times more per query, and in fp32 a
     query's result changes with the number of queries beside it."""
     T, H, D = q.shape
     H_kv = keys.shape[0]
-    grouped = q.float().view(T, H_kv, H // H_kv, D).transpose(0, 1).reshape(H_kv, T * H // H_kv, D)
-    if grouped.shape[1] < mask.shape[0]:
-        grouped = torch.cat([grouped, grouped.new_zeros(H_kv, mask.shape[0] - grouped.shape[1], D)], dim=1)
+    grouped = q.float().view(T, H_kv, H // H_kv, D).transpose(0, 1).reshape(H_kv, T * H // H_kv, D)  # (H_kv, R, D)
     scores = blockwise_matmul(grouped, keys.float().transpose(1, 2), MIN_MATMUL_ROWS).mul_(D**-0.5).add_(mask)
     out = blockwise_matmul(scores.softmax(dim=-1), values.float(), MIN_MATMUL_ROWS)  # (H_kv, R, D)
-    return out[:, : T * H // H_kv].view(H_kv, T, H // H_kv, D).transpose(0, 1).reshape(T, H, D).to(q.dtype)
+    return out.view(H_kv, T, H // H_kv, D).transpose(0, 1).reshape(T, H, D).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -296,7 +290,7 @@ class Attention(nn.Module):
             if segment.complete_chunk:
                 out[segment.start : segment.stop] = chunk_attention(queries, keys, values, plan.mask(i))
             else:
-                mask = plan.mask(i, rows_per_query=H // H_kv, min_rows=MIN_MATMUL_ROWS)
+                mask = plan.mask(i, rows_per_query=H // H_kv)
                 out[segment.start : segment.stop] = exact_attention(queries, keys, values, mask)
         return project(self.o_proj, out.view(N, H * D), plan.dense_rows)
 
