@@ -22,6 +22,7 @@ import engine
 from checkpoint import DEFAULT_MAX_CONTEXT, LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
+from planning import BATCH_BUCKETS, bucket_problem, chunk_end, rows_per_call
 from transformer import FUSED_PROJECTIONS, Concat, LoRALinear, ModelConfig, Transformer
 
 __all__ = [
@@ -48,6 +49,8 @@ def load_model(
     weights: str = "auto",
     quantize_lm_head: bool = False,
     verify_integrity: bool = True,
+    compiled: bool = False,
+    batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
 ) -> "Drafter":
     """Load a model package or a Hugging Face checkpoint directory, strictly (docs/package-format.md).
 
@@ -60,7 +63,13 @@ def load_model(
     quantize_lm_head: on the packed path, also round the lm_head to INT4 at load (faster decode
     steps; measure its effect on tau). verify_integrity: check a package's files against its sha256
     manifest first (a directory without one loads unverified); False is for development only.
+    compiled: decode with a step compiled per batch bucket (torch.compile; CUDA graphs on CUDA), built on
+    first use of each bucket or by Drafter.warm_up. batch_buckets: increasing powers of two; a call drafts at
+    most the largest at once (larger batches are split).
     """
+    problem = bucket_problem(tuple(batch_buckets))
+    if problem:
+        raise ModelLoadError(problem)
     model_dir = Path(model_dir)
     loaded = load_weights(
         model_dir,
@@ -80,7 +89,8 @@ def load_model(
         )
     device, dtype = loaded.model.norm.weight.device, loaded.model.norm.weight.dtype
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_slots, context, device, dtype)
-    return Drafter(loaded.model, cfg, cache, loaded.quant, loaded.lora, loaded.model_card, str(model_dir))
+    decoder = engine.Decoder(loaded.model, cache, tuple(batch_buckets), compiled)
+    return Drafter(loaded.model, cfg, cache, decoder, loaded.quant, loaded.lora, loaded.model_card, str(model_dir))
 
 
 def reuse_freed_memory() -> bool:
@@ -105,12 +115,13 @@ class Drafter:
         model: Transformer,
         cfg: ModelConfig,
         cache: KVCache,
+        decoder: engine.Decoder,
         quant: QuantConfig | None,
         lora: LoRAConfig | None,
         model_card: dict,
         source: str,
     ):
-        self.model, self.cfg, self.cache = model, cfg, cache
+        self.model, self.cfg, self.cache, self.decoder = model, cfg, cache, decoder
         self.quant, self.lora, self.model_card, self.source = quant, lora, model_card, source
         self.lock = threading.Lock()  # the cache pool is shared state: one draft_batch at a time
         self.weights = "packed" if any(isinstance(m, Int4Linear) for m in model.modules()) else "dense"
@@ -250,7 +261,7 @@ def draft_batch(
         if copied:
             drafts[i] = Draft(_through_first_stop(copied, stop_ids), cached_tokens=0, source="lookup")
     modelled = [i for i, draft in enumerate(drafts) if draft is None]
-    per_call = drafter.cache.num_slots // 2  # each row may need a fresh slot beside the one it matched
+    per_call = rows_per_call(drafter.cache.num_slots, drafter.decoder.buckets)
     with drafter.lock:
         for start in range(0, len(modelled), per_call):
             part = modelled[start : start + per_call]
@@ -331,16 +342,11 @@ def _draft_rows(
     slots, reused = cache.assign(rows)
     # Attention reads each slot to the end of the chunk of the last position its row will feed.
     for slot, row, budget in zip(slots, rows, budgets):
-        cache.clear_garbage([slot], engine.chunk_end(len(row) + budget, cache.max_len))
+        cache.clear_garbage([slot], chunk_end(len(row) + budget, cache.capacity))
     first_logits = engine.prefill(drafter.model, cache, rows, slots, reused)
-    tokens, counts, logprobs = engine.decode(
-        drafter.model, cache, first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs
-    )
-    tokens, counts = tokens.tolist(), counts.tolist()  # the one device -> host transfer of the call
-    logprobs = logprobs.tolist() if want_logprobs else None
+    decoded = drafter.decoder.decode(first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs)
     drafts = []
-    for b, (row, slot) in enumerate(zip(rows, slots)):
-        drafted = tokens[b][: counts[b]]
+    for b, (row, slot, drafted) in enumerate(zip(rows, slots, decoded.tokens)):
         cache.commit(slot, row, drafted[:-1])  # every draft token but the last was fed through the model
-        drafts.append(Draft(drafted, reused[b], logprobs[b][: counts[b]] if logprobs else None))
+        drafts.append(Draft(drafted, reused[b], decoded.logprobs[b] if decoded.logprobs else None))
     return drafts

@@ -1,18 +1,22 @@
-"""The engine: prefill and greedy decoding of a batch of sequences over the KV-cache pool.
+"""The engine: prefill, and greedy decoding as a fixed-shape step, over the KV-cache pool.
 
 Every token's keys, values and logits are computed the same way whichever call computes it, so a row's
 draft depends only on its own tokens and settings, never on its batch-mates or on the cache:
 
-* positions are computed in CHUNKs aligned to absolute positions. A complete chunk takes the dense-weight
-  path and bf16 flash attention; the positions of a sequence's last, incomplete chunk and its drafts take
-  the INT4 kernel and exact fp32 attention. Both ways compute a row independently of the other rows.
-* a token attends over its slot through the end of its own chunk (later keys masked), so the number of
-  keys a reduction runs over does not depend on the longest row of the batch.
+* a prefill cuts positions into chunks aligned to absolute positions (planning.py). A complete chunk
+  takes the dense-weight path and the model-dtype SDPA kernel; the positions of a sequence's last,
+  incomplete chunk take the INT4 kernel and block_attention (transformer.py), exactly as a decode step
+  computes a token, so the cache can reuse a draft the previous call fed.
 * the cache reuses a prefix only where it was computed the way this request would compute it
   (KVCache.reusable).
+* a decode step runs in fixed shapes: every row feeds one token, finished and padding rows stay in the
+  batch with their writes sent to the scratch slot, and all bookkeeping (positions, budgets, stops,
+  confidence) is device tensors. Nothing in the k-step loop reads a value on the host, so on a GPU the
+  loop never waits, and a step compiled for its batch bucket (torch.compile, CUDA graphs on CUDA) serves
+  every call of that bucket.
 
     first_logits = prefill(model, cache, rows, slots, reused)
-    tokens, counts, logprobs = decode(model, cache, first_logits, rows, slots, budgets, ...)
+    result = decoder.decode(first_logits, rows, slots, budgets, thresholds, stop_ids, want_logprobs)
 """
 
 from collections.abc import Sequence
@@ -20,59 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_cache import CHUNK, KVCache
-from transformer import Plan, Segment, Transformer
+from kv_cache import KVCache
+from planning import BATCH_BUCKETS, Piece, batch_bucket, chunk_end, prefill_pieces, waves, window_bucket
+from transformer import Plan, Segment, StepPlan, Transformer
 
 PREFILL_TOKENS = 2048  # tokens per prefill forward: bounds the size of its temporaries
 
 
-def chunk_end(position: int, max_len: int) -> int:
-    """The end of the chunk holding `position`: how many keys a token at that position attends over."""
-    return min((position // CHUNK + 1) * CHUNK, max_len)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Positions start..stop-1 of row `row`: a complete chunk, or the positions of its last chunk."""
-
-    row: int
-    start: int
-    stop: int
-    complete: bool
-
-
-def prefill_pieces(lengths: list[int], reused: list[int]) -> list[Piece]:
-    """Each row's uncached positions cut at chunk boundaries: complete chunks first (in position order,
-    so a chunk's predecessors come no later), then every row's incomplete last chunk."""
-    complete, tails = [], []
-    for row, (length, start) in enumerate(zip(lengths, reused)):
-        boundary = length // CHUNK * CHUNK
-        complete += [Piece(row, s, s + CHUNK, True) for s in range(start, boundary, CHUNK)]
-        if max(start, boundary) < length:
-            tails.append(Piece(row, max(start, boundary), length, False))
-    return sorted(complete, key=lambda piece: piece.start) + tails
-
-
-def waves(pieces: list[Piece], max_tokens: int) -> list[list[Piece]]:
-    """Consecutive runs of pieces holding at most max_tokens tokens each (a piece is never split)."""
-    runs, current, size = [], [], 0
-    for piece in pieces:
-        if current and size + piece.stop - piece.start > max_tokens:
-            runs.append(current)
-            current, size = [], 0
-        current.append(piece)
-        size += piece.stop - piece.start
-    return runs + [current] if current else runs
-
-
-def plan_for(pieces: list[Piece], slots: list[int], max_len: int, device: torch.device) -> Plan:
+def plan_for(pieces: list[Piece], slots: list[int], capacity: int, device: torch.device) -> Plan:
     """A forward over `pieces`, one attention segment each, the complete chunks' tokens first."""
     positions, write_slots, segments = [], [], []
     for piece in pieces:
         start = len(positions)
         positions += range(piece.start, piece.stop)
         write_slots += [slots[piece.row]] * (piece.stop - piece.start)
-        window = chunk_end(piece.start, max_len)
+        window = chunk_end(piece.start, capacity)
         segments.append(Segment(start, len(positions), slots[piece.row], piece.start, window, piece.complete))
     dense_rows = sum(piece.stop - piece.start for piece in pieces if piece.complete)
     return Plan(torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), segments, dense_rows)
@@ -85,7 +51,7 @@ def prefill(
     device = model.norm.weight.device
     last_hidden: list[torch.Tensor | None] = [None] * len(rows)
     for wave in waves(prefill_pieces([len(row) for row in rows], reused), PREFILL_TOKENS):
-        plan = plan_for(wave, slots, cache.max_len, device)
+        plan = plan_for(wave, slots, cache.capacity, device)
         token_ids = torch.tensor(
             [t for piece in wave for t in rows[piece.row][piece.start : piece.stop]], device=device
         )
@@ -96,59 +62,100 @@ def prefill(
     return model.logits(torch.stack(last_hidden))
 
 
-def decode(
-    model: Transformer,
-    cache: KVCache,
-    logits: torch.Tensor,
-    rows: list[list[int]],
-    slots: list[int],
-    budgets: list[int],
-    thresholds: list[float],
-    stop_ids: Sequence[int],
-    want_logprobs: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Greedy decoding: each step feeds every live row its newest token. Rows that finish leave the batch,
-    which changes nothing for the others. Which rows live is read on the host each step: free on the CPU,
-    a synchronisation on a GPU, where the step is not captured as a graph.
-
-    Returns draft tokens (B, steps), how many of them each row drafted (B,), and their logprobs.
-    """
-    device = logits.device
-    B, steps = len(rows), max(max(budgets), 1)
-    stop = torch.tensor(list(stop_ids), device=device, dtype=torch.long)
-    min_confidence = torch.tensor(thresholds, device=device) if any(thresholds) else None
-    tokens = torch.zeros(B, steps, dtype=torch.long, device=device)
-    logprobs = torch.zeros(B, steps, device=device) if want_logprobs else None
-    counts = torch.zeros(B, dtype=torch.long, device=device)
-    budget = torch.tensor(budgets, device=device)
-    live = (budget > 0).nonzero()[:, 0]  # the rows still drafting
-    logits = logits[live]
-    for step in range(steps):
-        token = logits.max(dim=-1).indices  # (live,): the first maximum, as argmax, which is slower on bf16 rows
-        tokens[live, step] = token
-        if want_logprobs:
-            logprobs[live, step] = logits.float().log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
-        counts[live] += 1
-        going = ~torch.isin(token, stop) & (budget[live] > step + 1)
-        if min_confidence is not None:
-            going &= logits.float().softmax(dim=-1).amax(dim=-1) >= min_confidence[live]
-        live, token = live[going], token[going]
-        if step + 1 == steps or len(live) == 0:
-            break
-        plan = decode_plan(live.tolist(), rows, slots, step, cache.max_len, device)
-        logits = model.logits(model(token, cache, plan))
-    return tokens, counts, logprobs
+def forward_step(model: Transformer, cache: KVCache, plan: StepPlan, tokens: torch.Tensor) -> torch.Tensor:
+    """One decode step: tokens (B,) -> logits (B, vocab). The function a decoder compiles per bucket."""
+    return model.logits(model(tokens, cache, plan))
 
 
-def decode_plan(
-    live: list[int], rows: list[list[int]], slots: list[int], step: int, max_len: int, device: torch.device
-) -> Plan:
-    """One token per live row, at the position after its prompt and the `step` drafts fed before it."""
-    positions = [len(rows[b]) + step for b in live]
-    segments = [
-        Segment(i, i + 1, slots[b], position, chunk_end(position, max_len), complete_chunk=False)
-        for i, (b, position) in enumerate(zip(live, positions))
-    ]
-    return Plan(
-        torch.tensor(positions, device=device), torch.tensor([slots[b] for b in live], device=device), segments, 0
-    )
+@dataclass
+class Decoded:
+    """A decode call's result, on the host (one transfer): per row its draft tokens and their logprobs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None
+
+
+class Decoder:
+    """Greedy decoding of a batch in fixed shapes, eager or compiled once per batch bucket.
+
+    Compiled, a batch is padded to its bucket and the keys a step reads to a window bucket (planning.py):
+    the step's graph is built once per batch bucket, with the window as its one dynamic size, and on CUDA
+    it is replayed as a CUDA graph. Eager, the batch keeps its size and the window is the rows' own need
+    (the same bits either way: see block_attention)."""
+
+    def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BATCH_BUCKETS, compiled=False):
+        self.model, self.cache, self.buckets, self.compiled = model, cache, buckets, compiled
+        self.device = model.norm.weight.device
+        self.steps: dict[int, object] = {}  # batch bucket -> its compiled step
+        if compiled and self.device.type == "cuda":
+            torch._dynamo.mark_static_address(cache.keys)  # CUDA graphs read and write the pool in place
+            torch._dynamo.mark_static_address(cache.values)
+
+    def step(self, batch: int):
+        """The step function for a padded batch of `batch` rows."""
+        if not self.compiled:
+            return forward_step
+        if batch not in self.steps:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
+            self.steps[batch] = torch.compile(forward_step, fullgraph=True, dynamic=False, mode=mode)
+        return self.steps[batch]
+
+    def shapes(self, rows: list[list[int]], budgets: list[int]) -> tuple[int, int]:
+        """(batch rows, keys per step) of a call: bucketed when compiled."""
+        keys = max(len(row) + budget - 1 for row, budget in zip(rows, budgets))  # the last position fed, plus one
+        if self.compiled:
+            return batch_bucket(len(rows), self.buckets), window_bucket(keys, self.cache.capacity)
+        return len(rows), chunk_end(keys - 1, self.cache.capacity)
+
+    def decode(
+        self,
+        logits: torch.Tensor,
+        rows: list[list[int]],
+        slots: list[int],
+        budgets: list[int],
+        thresholds: list[float],
+        stop_ids: Sequence[int],
+        want_logprobs: bool,
+    ) -> Decoded:
+        """Greedy drafts from each row's first logits (n, vocab): up to budgets[b] tokens for row b, stopping
+        after a stop id or a token whose probability is below thresholds[b]."""
+        n, device = len(rows), self.device
+        batch, window = self.shapes(rows, budgets)
+        pad, steps = batch - n, max(*budgets, 1)
+        as_tensor = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        # Everything the loop reads, on the device before it starts. Padding rows are finished from the start.
+        slot = as_tensor(slots + [self.cache.scratch] * pad)
+        position = as_tensor([len(row) for row in rows] + [0] * pad)  # where each row feeds its next token
+        budget = as_tensor(budgets + [0] * pad)
+        threshold = as_tensor(thresholds + [0.0] * pad, torch.float32) if any(thresholds) else None
+        stop = as_tensor(list(stop_ids))
+        logits = torch.nn.functional.pad(logits, (0, 0, 0, pad))
+        live = budget > 0
+        counts = torch.zeros(batch, dtype=torch.long, device=device)
+        tokens, logprobs = [], []
+        step_fn = self.step(batch)
+        for step in range(steps):
+            token = logits.max(dim=-1).indices  # (batch,): the first maximum, as argmax, which is slower on bf16
+            tokens.append(token)
+            if want_logprobs:
+                logprobs.append(logits.float().log_softmax(dim=-1).gather(1, token[:, None])[:, 0])
+            counts += live
+            live = live & ~torch.isin(token, stop) & (budget > step + 1)
+            if threshold is not None:
+                live &= logits.float().softmax(dim=-1).amax(dim=-1) >= threshold
+            if step + 1 == steps or (device.type == "cpu" and not live.any()):  # the CPU reads it for free
+                break
+            plan = StepPlan(position, torch.where(live, slot, self.cache.scratch), slot, window)
+            logits = step_fn(self.model, self.cache, plan, token)
+            position = position + live
+        return self._to_host(torch.stack(tokens, dim=1)[:n], counts[:n], logprobs, n)
+
+    @staticmethod
+    def _to_host(tokens: torch.Tensor, counts: torch.Tensor, logprobs: list[torch.Tensor], n: int) -> Decoded:
+        """The call's one device -> host transfer (two with logprobs): tokens (n, steps) and counts (n,)."""
+        host = torch.cat([counts[:, None], tokens], dim=1).tolist()
+        drafted = [row[1 : 1 + row[0]] for row in host]
+        if not logprobs:
+            return Decoded(drafted, None)
+        values = torch.stack(logprobs, dim=1)[:n].tolist()
+        return Decoded(drafted, [row[: len(d)] for row, d in zip(values, drafted)])

@@ -7,16 +7,18 @@ prefix is never read.
 
 import torch
 
+from planning import CHUNK, round_up
+
 # Keys and values are computed CHUNK positions at a time: a complete chunk on the dense-weight path, the
 # positions of a sequence's last, incomplete chunk (and its drafts) on the INT4 kernel. A prefix is
 # reused only where the cached positions took the path this request's own positions would take, so a
 # cached prefix gives bit-identical keys and values to recomputing it.
-CHUNK = 64
 
 
 class KVCache:
     """`num_slots` sequences of up to `max_len` tokens each, plus one scratch slot that absorbs the
-    writes of padding and finished rows so they can never touch a real sequence."""
+    writes of padding and finished rows so they can never touch a real sequence. Each slot has room for
+    `capacity` positions, max_len rounded up to a whole chunk: attention reads keys a chunk at a time."""
 
     def __init__(
         self,
@@ -30,7 +32,8 @@ class KVCache:
     ):
         if num_slots < 2:
             raise ValueError(f"cache_slots must be at least 2, got {num_slots}")
-        shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
+        self.capacity = round_up(max_len, CHUNK)
+        shape = (num_layers, num_slots + 1, num_kv_heads, self.capacity, head_dim)
         # torch.empty on CPU does not touch the pages, so memory is committed only as slots fill.
         self.keys = torch.empty(shape, device=device, dtype=dtype)
         self.values = torch.empty(shape, device=device, dtype=dtype)
@@ -49,9 +52,9 @@ class KVCache:
         self.keys[layer][slots, :, positions] = k
         self.values[layer][slots, :, positions] = v
 
-    def window(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the (H_kv, length, D) keys and values at positions 0..length-1 of `slot`."""
-        return self.keys[layer, slot, :, :length], self.values[layer, slot, :, :length]
+    def window(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (B, H_kv, length, D) keys and values at positions 0..length-1 of each of `slots` (B,)."""
+        return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]
 
     def longest_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """(slot, length) of the longest common prefix between `tokens` and any slot; newest slot on ties."""

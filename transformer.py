@@ -4,7 +4,7 @@ config -> primitives (RMSNorm, RoPE) -> LoRA and fused projections -> attention,
 Module names mirror transformers', so checkpoint keys map 1:1; checkpoint.py builds and loads it.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -193,16 +193,13 @@ def fuse_projections(model: "Transformer") -> None:
 # Attention, MLP, block, model. Module names mirror transformers', so checkpoint keys map 1:1.
 
 
-CHUNK = 64  # positions per attention chunk; a multiple of the INT4 kernel's 64-row blocks
-
-
 @dataclass(frozen=True)
 class Segment:
-    """Consecutive tokens of one sequence in a forward, attending over their slot's keys 0..window-1.
+    """Consecutive tokens of one sequence in a prefill, attending over their slot's keys 0..window-1.
 
-    The window ends at the end of the CHUNK holding the tokens, whichever call computes them, so a
-    token's attention reads the same number of keys (the later ones masked) alone, in a batch, or after
-    a cached prefix: what makes drafts independent of batch-mates and of the cache.
+    The window ends at the end of the chunk holding the tokens, whichever call computes them, so a
+    token's attention reads the same keys (the later ones masked) alone, in a batch, or after a cached
+    prefix: what makes drafts independent of batch-mates and of the cache.
     """
 
     start: int  # tokens start..stop-1 of the forward
@@ -210,31 +207,40 @@ class Segment:
     slot: int
     position: int  # the position of token `start` in its sequence
     window: int
-    complete_chunk: bool  # a whole CHUNK of positions: attention in the model's dtype, else in fp32
+    complete_chunk: bool  # a whole chunk of positions: dense attention in the model's dtype, else block_attention
 
-    def mask(self, device: torch.device, rows_per_query: int) -> torch.Tensor:
-        """(T * rows_per_query, window): 0 where query t (each of its rows) may see the key, that is where
-        key position <= position + t, and -inf elsewhere."""
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """(T, window): 0 where query t may see the key, that is where key position <= position + t, and
+        -inf elsewhere."""
         keys = torch.arange(self.window, device=device)
         queries = torch.arange(self.position, self.stop - self.start + self.position, device=device)
-        hidden = (keys[None, :] > queries[:, None]).repeat_interleave(rows_per_query, dim=0)
-        return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+        return torch.zeros(len(queries), self.window, device=device).masked_fill_(
+            keys > queries[:, None], float("-inf")
+        )
 
 
 @dataclass
 class Plan:
-    """What one forward computes: N tokens of one or more sequences, flattened in one row each."""
+    """What one prefill forward computes: N tokens of one or more sequences, flattened in one row each."""
 
     positions: torch.Tensor  # (N,) each token's position in its sequence
     write_slots: torch.Tensor  # (N,) the cache slot receiving each token's keys and values
     segments: list[Segment]
     dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # made by the first layer, read by all
 
-    def mask(self, index: int, rows_per_query: int = 1) -> torch.Tensor:
-        if index not in self.masks:
-            self.masks[index] = self.segments[index].mask(self.positions.device, rows_per_query)
-        return self.masks[index]
+
+@dataclass
+class StepPlan:
+    """What one decode step computes: one token per row, all tensors on the device, fixed shapes.
+
+    Row b feeds its token at positions[b], writes its keys and values to write_slots[b] (the scratch
+    slot for padding and finished rows) and attends over keys 0..window-1 of read_slots[b]."""
+
+    positions: torch.Tensor  # (B,)
+    write_slots: torch.Tensor  # (B,)
+    read_slots: torch.Tensor  # (B,)
+    window: int  # a multiple of KEY_BLOCK
+    dense_rows: int = 0  # a step's tokens all take the INT4 kernel
 
 
 def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -246,18 +252,45 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     return out[0].transpose(0, 1)
 
 
-def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A few queries q (T, H, D) (a decode step, a sequence's last chunk) over keys, values (H_kv, window, D),
-    in fp32 matmuls -> (T, H, D). mask (R, window) holds one row per query and head of a group. The matmuls
-    run MIN_MATMUL_ROWS rows at a time, so each query's result does not depend on how many share the call.
-    The flash kernel is avoided here: in bf16 it costs several times more per query, and in fp32 a
-    query's result changes with the number of queries beside it."""
-    T, H, D = q.shape
-    H_kv = keys.shape[0]
-    grouped = q.float().view(T, H_kv, H // H_kv, D).transpose(0, 1).reshape(H_kv, T * H // H_kv, D)  # (H_kv, R, D)
-    scores = blockwise_matmul(grouped, keys.float().transpose(1, 2), MIN_MATMUL_ROWS).mul_(D**-0.5).add_(mask)
-    out = blockwise_matmul(scores.softmax(dim=-1), values.float(), MIN_MATMUL_ROWS)  # (H_kv, R, D)
-    return out.view(H_kv, T, H // H_kv, D).transpose(0, 1).reshape(T, H, D).to(q.dtype)
+KEY_BLOCK = 64  # keys per attention block (the chunk length, so a chunk's window is whole blocks)
+
+
+def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a few queries per row, exact whatever the window: q (G, T, H, D) at positions (G, T)
+    over keys, values (G, H_kv, W, D) with W a multiple of KEY_BLOCK -> (G, T, H, D), in fp32 math.
+
+    The keys are taken KEY_BLOCK at a time: each block's scores, maximum, exponentials, sum and weighted values
+    are fixed-shape products of MIN_MATMUL_ROWS query rows, and the blocks are combined by a running
+    (cumulative) sum read at the query's own last block. So a query's result depends only on its own keys up
+    to its position: not on the window (the blocks after its own are never added in), nor on the other
+    queries or rows of the call. A decode step (T = 1, a row per sequence) and a prefill's last chunk (G = 1)
+    give the same bits for the same token, which lets the cache reuse either. No SDPA backend is involved:
+    on CUDA an explicit mask with GQA would fall back to its math kernel."""
+    G, T, H, D = q.shape
+    H_kv, W = keys.shape[1], keys.shape[2]
+    group, blocks = H // H_kv, W // KEY_BLOCK
+    rows = T * group  # query rows per kv head
+    tiles = -(-rows // MIN_MATMUL_ROWS)
+    pad = tiles * MIN_MATMUL_ROWS - rows
+    grouped = q.float().view(G, T, H_kv, group, D).transpose(1, 2).reshape(G, H_kv, rows, D)
+    grouped = F.pad(grouped, (0, 0, 0, pad)).view(G, H_kv, tiles, 1, MIN_MATMUL_ROWS, D)
+    row_positions = positions[:, :, None].expand(G, T, group).reshape(G, rows)
+    row_positions = F.pad(row_positions, (0, pad), value=-1).view(G, 1, tiles, 1, MIN_MATMUL_ROWS, 1)
+    k = keys.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D)
+    v = values.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D)
+    key_positions = torch.arange(W, device=q.device).view(blocks, 1, KEY_BLOCK)
+    scores = (grouped @ k.transpose(-1, -2)).mul_(D**-0.5)  # (G, H_kv, tiles, blocks, rows of a tile, KEY_BLOCK)
+    scores = scores.masked_fill_(key_positions > row_positions, float("-inf"))  # also hides unwritten memory
+    block_max = scores.amax(dim=-1, keepdim=True)  # (..., rows of a tile, 1)
+    probs = (scores - block_max).exp_()
+    block_sum = probs.sum(dim=-1, keepdim=True)
+    block_out = probs @ v  # (..., rows of a tile, D)
+    weight = (block_max - block_max.amax(dim=3, keepdim=True)).exp_()  # each block's share of the softmax
+    last = (row_positions // KEY_BLOCK).clamp_(min=0).expand(G, H_kv, tiles, 1, MIN_MATMUL_ROWS, 1)
+    total = (weight * block_sum).cumsum(dim=3).gather(3, last)
+    out = (weight * block_out).cumsum(dim=3).gather(3, last.expand(*last.shape[:-1], D)).div_(total)
+    out = out.view(G, H_kv, tiles * MIN_MATMUL_ROWS, D)[:, :, :rows]
+    return out.reshape(G, H_kv, T, group, D).transpose(1, 2).reshape(G, T, H, D).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -275,7 +308,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan | StepPlan) -> torch.Tensor:
         N, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         heads = project(self.qkv_proj, x, plan.dense_rows).view(N, H + 2 * H_kv, D)
         q_and_k, v = heads.split([H + H_kv, H_kv], dim=1)
@@ -283,16 +316,21 @@ class Attention(nn.Module):
             q_and_k = torch.cat([self.q_norm(q_and_k[:, :H]), self.k_norm(q_and_k[:, H:])], dim=1)
         q, k = apply_rope(q_and_k, cos, sin).split([H, H_kv], dim=1)  # one rotation for both
         cache.write(layer, plan.write_slots, plan.positions, k, v)
-        out = torch.empty_like(q)
-        for i, segment in enumerate(plan.segments):
-            keys, values = cache.window(layer, segment.slot, segment.window)  # (H_kv, window, D)
-            queries = q[segment.start : segment.stop]
-            if segment.complete_chunk:
-                out[segment.start : segment.stop] = chunk_attention(queries, keys, values, plan.mask(i))
-            else:
-                mask = plan.mask(i, rows_per_query=H // H_kv)
-                out[segment.start : segment.stop] = exact_attention(queries, keys, values, mask)
-        return project(self.o_proj, out.view(N, H * D), plan.dense_rows)
+        if isinstance(plan, StepPlan):
+            keys, values = cache.window(layer, plan.read_slots, plan.window)  # (B, H_kv, window, D)
+            out = block_attention(q[:, None], keys, values, plan.positions[:, None])[:, 0]
+        else:
+            out = torch.empty_like(q)
+            for segment in plan.segments:
+                keys, values = cache.window(layer, plan.write_slots[segment.start : segment.start + 1], segment.window)
+                queries = q[segment.start : segment.stop]  # (T, H, D)
+                if segment.complete_chunk:
+                    mask = segment.mask(q.device)
+                    out[segment.start : segment.stop] = chunk_attention(queries, keys[0], values[0], mask)
+                else:
+                    positions = plan.positions[None, segment.start : segment.stop]
+                    out[segment.start : segment.stop] = block_attention(queries[None], keys, values, positions)[0]
+        return project(self.o_proj, out.reshape(N, H * D), plan.dense_rows)
 
 
 class MLP(nn.Module):
@@ -317,7 +355,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan | StepPlan) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, plan)
         return x + self.mlp(self.post_attention_layernorm(x), plan.dense_rows)
 
@@ -339,7 +377,7 @@ class Transformer(nn.Module):
         """token_ids (N,) -> (N, hidden); without a table of its own, the rows of the INT4 lm_head."""
         return self.embed_tokens(token_ids) if self.embed_tokens is not None else self.lm_head.rows(token_ids)
 
-    def forward(self, token_ids: torch.Tensor, cache: KVCache, plan: Plan) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, cache: KVCache, plan: Plan | StepPlan) -> torch.Tensor:
         """token_ids (N,) -> final hidden states (N, hidden); keys and values written to the cache on the way."""
         x = self.embed(token_ids)
         cos, sin = rope_cos_sin(plan.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)

@@ -15,6 +15,8 @@ from tiny_models import (
 import checkpoint
 import draft_model
 import engine
+from planning import chunk_end
+from transformer import StepPlan
 
 # (architecture, overrides): tied and untied, GQA ratios 1/2/4, head_dim != hidden/heads, rope thetas.
 FORWARD_CASES = [
@@ -39,14 +41,14 @@ FORWARD_CASES = [
 
 
 def forward_stepwise(drafter: draft_model.Drafter, tokens: list[int]) -> torch.Tensor:
-    """Our logits fed one token at a time, each step reading the KV cached by the previous ones: (T, vocab)."""
+    """Our logits fed one token at a time by the decode step, each step reading the KV cached by the previous
+    ones: (T, vocab)."""
+    cache, slot = drafter.cache, torch.tensor([0])
+    cache.clear_garbage([0], cache.capacity)
     logits = []
-    drafter.cache.clear_garbage([0], drafter.max_context)
     for t, token in enumerate(tokens):
-        plan = engine.decode_plan(
-            [0], rows=[[]], slots=[0], step=t, max_len=drafter.max_context, device=torch.device("cpu")
-        )
-        logits.append(drafter.model.logits(drafter.model(torch.tensor([token]), drafter.cache, plan))[0])
+        plan = StepPlan(torch.tensor([t]), slot, slot, window=chunk_end(t, cache.capacity))
+        logits.append(engine.forward_step(drafter.model, cache, plan, torch.tensor([token]))[0])
     return torch.stack(logits)
 
 

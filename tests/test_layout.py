@@ -4,6 +4,7 @@ import ast
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Each module may import only modules to its left (evidence/ and tests/ sit above all of them).
 LAYERS = [
+    "planning",
     "int4",
     "kv_cache",
     "transformer",
@@ -24,6 +26,8 @@ LAYERS = [
     "api_schema",
     "server",
 ]
+# Modules outside the layers: they import no project module at all.
+STANDALONE = {"vllm_proposer": {"httpx"}}  # the engine-side client: the standard library and these packages only
 
 
 def tracked_python_files() -> list[Path]:
@@ -54,9 +58,16 @@ def test_no_project_module_imports_evidence_or_tests():
         assert not imported_modules(REPO / f"{module}.py") & {"evidence", "tests"}, module
 
 
-def test_every_top_level_module_is_in_the_layers():
+def test_every_top_level_module_is_in_the_layers_or_standalone():
     top_level = {path.stem for path in REPO.glob("*.py")}
-    assert top_level == set(LAYERS)
+    assert top_level == set(LAYERS) | set(STANDALONE)
+
+
+@pytest.mark.parametrize("module", sorted(STANDALONE))
+def test_standalone_modules_import_only_the_standard_library_and_their_packages(module):
+    imported = imported_modules(REPO / f"{module}.py")
+    third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "__future__"}
+    assert third_party <= STANDALONE[module], f"{module}.py imports {sorted(third_party - STANDALONE[module])}"
 
 
 @pytest.mark.parametrize("path", tracked_python_files(), ids=lambda p: str(p.relative_to(REPO)))

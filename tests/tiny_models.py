@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 import draft_model
 import engine
 import int4
+import planning
 
 ARCHITECTURES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -142,8 +143,8 @@ def random_rows(lengths: list[int], seed: int, vocab: int = 256) -> list[list[in
 def forward_all(drafter: draft_model.Drafter, tokens: list[int]) -> torch.Tensor:
     """Our logits for every position of one sequence in one forward through cache slot 0: (T, vocab)."""
     drafter.cache.clear_garbage([0], drafter.max_context)
-    pieces = engine.prefill_pieces([len(tokens)], reused=[0])  # one row: its tokens stay in order
-    plan = engine.plan_for(pieces, slots=[0], max_len=drafter.max_context, device=torch.device("cpu"))
+    pieces = planning.prefill_pieces([len(tokens)], reused=[0])  # one row: its tokens stay in order
+    plan = engine.plan_for(pieces, slots=[0], capacity=drafter.cache.capacity, device=torch.device("cpu"))
     return drafter.model.logits(drafter.model(torch.tensor(tokens), drafter.cache, plan))
 
 
