@@ -34,9 +34,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(repo_root: Path, model_dir: Path, log_path: Path, *flags: str) -> RunningServer:
-    """Start server.py and wait until /health answers; fail with its log if it never does."""
-    port = free_port()
+def start_server(
+    repo_root: Path, model_dir: Path, log_path: Path, *flags: str, port: int | None = None
+) -> RunningServer:
+    """Start server.py (on `port`, else a free one) and wait until /health answers; fail with its log if it never
+    does."""
+    port = port or free_port()
     # One thread: the suite shares 2 cores with other test processes, and oversubscribed torch threads crawl.
     command = [sys.executable, str(repo_root / "server.py"), "--model-dir", str(model_dir), "--port", str(port)]
     command += ["--threads", "1", *flags]
