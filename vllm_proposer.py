@@ -297,6 +297,10 @@ class DraftServerProposer:
                 f"target {self.vocab_size}: the drafter must use the target's tokenizer"
             )
 
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM's CPU model runner calls this on every proposer (the GPU runner only where it exists); the drafter
+        lives in the server, so there is nothing to load."""
+
     # ------------------------------------------------------------------------- every step
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
