@@ -7,17 +7,27 @@ each holding `--shard-size` prompts in file order:
     prompt_ids int32 [sum P]      prompt_lengths int32 [R]     the prompts' token ids, concatenated
     tokens int32 [sum N]          token_lengths int32 [R]      the greedy continuations (EOS included)
     topk_ids int32 [sum N, K]     topk_logprobs float32 [sum N, K]   the teacher's top-K at each position
-    holdout uint8 [R]             1 for rows of the holdout slice (sha256 of the prompt id < fraction)
+    holdout uint8 [R]             1 for holdout rows: the row's "split" field when the prompts have one
+                                  (prepare_sharegpt.py splits by conversation), else sha256 of the id < fraction
     metadata: "ids" (JSON list of prompt ids), "settings" (JSON of everything that determines the shard)
     (--holdout-fraction 1 makes a measurement-only set, e.g. MT-bench)
 
-plus DATA_DIR/index.json (counts) and the log DATA_DIR.gen_data.log. Each shard is written under a
+With --top-k 0 a shard holds hard labels only (no topk tensors; load_examples gives each position its
+greedy token with log-probability 0, so distillation is cross-entropy on the teacher's tokens) and its ids
+are uint16 when the teacher's vocabulary fits: about 1 KB per prompt, small enough to commit (--out
+evidence/data/...). Plus DATA_DIR/index.json (counts, and the sha256 of every shard and of the prompts
+file: the manifest a fresh clone checks) and the log DATA_DIR.gen_data.log. Each shard is written under a
 temporary name and renamed when complete, so a killed run leaves no partial shard; a rerun skips every
 shard whose settings match and refuses one made with different settings. Greedy decoding with a fixed
 batch composition makes the output deterministic on a given machine.
 
     python -m evidence.gen_data --prompts WORK/prompts.jsonl --teacher Qwen/Qwen3-8B \
         --teacher-revision COMMIT --out WORK/data --max-new-tokens 512 --backend vllm
+    python -m evidence.gen_data --prompts WORK/sharegpt.jsonl --teacher SMALL/teacher --top-k 0 \
+        --dtype bfloat16 --threads 1 --batch-size 64 --shard-size 256 --max-new-tokens 128 \
+        --out evidence/data/sharegpt_labels              # one process per core: --workers N --worker I
+
+A CPU worker should run one thread (--threads 1): the teacher's matmuls are too small to share cores well.
 
 Backends: `transformers` (always; batched, left-padded, KV-cached) and `vllm` (when vLLM is installed).
 """
@@ -28,6 +38,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,8 +63,10 @@ def shard_path(out_dir: Path, index: int) -> Path:
     return out_dir / f"shard-{index:05d}.safetensors"
 
 
-def holdout_flag(prompt_id: str, fraction: float) -> bool:
-    return common.stable_hash_fraction(prompt_id) < fraction
+def holdout_flag(row: dict, fraction: float) -> bool:
+    if "split" in row:
+        return row["split"] == "holdout"
+    return common.stable_hash_fraction(row["id"]) < fraction
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,15 +101,16 @@ def generate_transformers(
     eos = torch.tensor(eos_ids, device=device)
     batch = len(prompts)
     tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
-    topk_ids = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.long, device=device)
+    topk_ids = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.long, device=device)  # K = 0: empty
     topk_logprobs = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.float32, device=device)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     next_position = positions[:, -1] + 1  # [B]
     for step in range(max_new_tokens):
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
         next_token = logits.argmax(-1)  # greedy: the first maximal id, as the drafter and verifier use
-        topk_logprobs[:, step], topk_ids[:, step] = logprobs.topk(top_k, dim=-1)
+        if top_k:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+            topk_logprobs[:, step], topk_ids[:, step] = logprobs.topk(top_k, dim=-1)
         tokens[:, step] = next_token
         newly_finished = ~finished & torch.isin(next_token, eos)
         lengths[newly_finished] = step + 1
@@ -150,18 +164,23 @@ def generate_vllm(
 
 
 def write_shard(path: Path, rows: list[dict], generations: list[tuple], settings: dict) -> None:
-    """One shard, written under a temporary name and renamed when complete."""
+    """One shard, written under a temporary name and renamed when complete. Hard-label shards (top_k 0)
+    store their ids as uint16 when every id fits."""
+    prompt_ids = torch.tensor([t for row in rows for t in row["token_ids"]], dtype=torch.int64)
+    tokens = torch.cat([g[0] for g in generations]).long()
+    hard_labels = settings["top_k"] == 0
+    fits_uint16 = max(int(prompt_ids.max()), int(tokens.max()) if len(tokens) else 0) < 1 << 16
+    id_dtype = torch.uint16 if hard_labels and fits_uint16 else torch.int32
     tensors = {
-        "prompt_ids": torch.tensor([t for row in rows for t in row["token_ids"]], dtype=torch.int32),
+        "prompt_ids": prompt_ids.to(id_dtype),
         "prompt_lengths": torch.tensor([len(row["token_ids"]) for row in rows], dtype=torch.int32),
-        "tokens": torch.cat([g[0] for g in generations]).to(torch.int32),
+        "tokens": tokens.to(id_dtype),
         "token_lengths": torch.tensor([len(g[0]) for g in generations], dtype=torch.int32),
-        "topk_ids": torch.cat([g[1] for g in generations]).to(torch.int32),
-        "topk_logprobs": torch.cat([g[2] for g in generations]).to(torch.float32),
-        "holdout": torch.tensor(
-            [holdout_flag(row["id"], settings["holdout_fraction"]) for row in rows], dtype=torch.uint8
-        ),
+        "holdout": torch.tensor([holdout_flag(row, settings["holdout_fraction"]) for row in rows], dtype=torch.uint8),
     }
+    if not hard_labels:
+        tensors["topk_ids"] = torch.cat([g[1] for g in generations]).to(torch.int32)
+        tensors["topk_logprobs"] = torch.cat([g[2] for g in generations]).to(torch.float32)
     metadata = {"ids": json.dumps([row["id"] for row in rows]), "settings": json.dumps(settings, sort_keys=True)}
     with common.atomic_path(path) as temporary:
         save_file(tensors, str(temporary), metadata=metadata)
@@ -193,8 +212,12 @@ def load_examples(data_dir: Path, split: str = "all") -> list[dict]:
         prompts = tensors["prompt_ids"].split(tensors["prompt_lengths"].tolist())
         lengths = tensors["token_lengths"].tolist()
         tokens = tensors["tokens"].split(lengths)
-        topk_ids = tensors["topk_ids"].split(lengths)
-        topk_logprobs = tensors["topk_logprobs"].split(lengths)
+        if "topk_ids" in tensors:
+            topk_ids = tensors["topk_ids"].split(lengths)
+            topk_logprobs = tensors["topk_logprobs"].split(lengths)
+        else:  # hard labels: the greedy token is the teacher's top 1, with all the (renormalised) mass
+            topk_ids = [t.to(torch.int32)[:, None] for t in tokens]
+            topk_logprobs = [torch.zeros((len(t), 1)) for t in tokens]
         for row, prompt_id in enumerate(ids):
             examples.append(
                 dict(
@@ -264,7 +287,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--teacher-revision", default=None, help="hub commit (required for a hub id)")
     parser.add_argument("--out", type=Path, required=True, help="output directory of shards")
     parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per position")
+    parser.add_argument(
+        "--top-k", type=int, default=20, help="teacher logprobs kept per position; 0: hard labels only (uint16 ids)"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--shard-size", type=int, default=1024, help="prompts per shard")
     parser.add_argument(
@@ -282,11 +307,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: bf16 on GPU, fp32 on CPU"
     )
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of this process (CPU workers: 1)")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the shards")
+    parser.add_argument("--worker", type=int, default=0, help="this worker's number: it makes shards i %% N == I")
     return parser.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for flag in ("max_new_tokens", "top_k", "batch_size", "shard_size"):
+    if args.top_k < 0:
+        raise common.UserError(f"--top-k must be 0 (hard labels) or more, got {args.top_k}")
+    if not 0 <= args.worker < args.workers:
+        raise common.UserError(
+            f"--worker must be in 0..{args.workers - 1} (--workers {args.workers}), got {args.worker}"
+        )
+    if args.threads is not None and args.threads < 1:
+        raise common.UserError(f"--threads must be at least 1, got {args.threads}")
+    for flag in ("max_new_tokens", "batch_size", "shard_size"):
         if getattr(args, flag) < 1:
             raise common.UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not 0.0 <= args.holdout_fraction <= 1.0:
@@ -312,8 +348,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = common.pick_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     eos_ids = eos_token_ids(teacher, revision, args.eos_token_ids)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     run_settings = dict(
-        teacher=args.teacher,
+        teacher=teacher_identity(args.teacher, revision),
         teacher_revision=revision,
         backend=args.backend,
         dtype=dtype_name,
@@ -328,10 +366,15 @@ def main(argv: list[str] | None = None) -> dict:
     if stale:
         logger.info("removed %d unfinished shard file(s) of an interrupted run", stale)
     shards = [rows[i : i + args.shard_size] for i in range(0, len(rows), args.shard_size)]
+    index_path = args.out / "index.json"
+    recorded = json.loads(index_path.read_text()).get("shard_sha256", {}) if index_path.is_file() else {}
     todo = []
     for index, shard_rows in enumerate(shards):
+        if index % args.workers != args.worker:
+            continue
         path, settings = shard_path(args.out, index), shard_settings(run_settings, shard_rows)
         if path.exists():
+            check_recorded_sha256(path, recorded)
             if read_shard_settings(path) != settings:
                 raise common.UserError(
                     f"{path} was made with other settings or prompts; use a new --out directory or delete it"
@@ -343,13 +386,21 @@ def main(argv: list[str] | None = None) -> dict:
         generate = load_backend(args, teacher, revision, device, dtype_name, eos_ids)
         progress = tqdm(total=sum(len(r) for _, r, _ in todo), desc="teacher continuations", unit="prompt")
         for index, shard_rows, settings in todo:
+            started = time.perf_counter()
             generations = generate_shard(generate, shard_rows, args.batch_size, progress)
             write_shard(shard_path(args.out, index), shard_rows, generations, settings)
+            new_tokens = sum(len(g[0]) for g in generations)
             logger.info(
-                "shard %d written: %d prompts, %d tokens", index, len(shard_rows), sum(len(g[0]) for g in generations)
+                "shard %d written: %d prompts, %d tokens, %.1f tokens/s; %s",
+                index,
+                len(shard_rows),
+                new_tokens,
+                new_tokens / (time.perf_counter() - started),
+                progress,
             )
+            write_index(args.out, len(shards), args.prompts)  # after every shard: commit-ready at any time
         progress.close()
-    index = write_index(args.out, len(shards))
+    index = write_index(args.out, len(shards), args.prompts)
     logger.info("data: %s", json.dumps(index))
     return index
 
@@ -382,16 +433,41 @@ def generate_shard(generate, rows: list[dict], batch_size: int, progress: tqdm) 
     return generations
 
 
-def write_index(out_dir: Path, shard_count: int) -> dict:
+def check_recorded_sha256(path: Path, recorded: dict[str, str]) -> None:
+    """A finished shard that index.json lists must have the recorded sha256 (a damaged copy is not resumed)."""
+    if path.name in recorded and common.sha256_file(path) != recorded[path.name]:
+        raise common.UserError(
+            f"{path} has another sha256 than {path.parent / 'index.json'} records; restore it (git checkout) or delete it"
+        )
+
+
+def teacher_identity(teacher: str, revision: str | None) -> str:
+    """The teacher as shard settings record it: the hub id at its commit, or the sha256 of a local directory's
+    weights (not its path, so shards made on one machine are recognised on another)."""
+    if revision is not None:
+        return teacher
+    digest = hashlib.sha256()
+    for path in sorted(Path(teacher).glob("*.safetensors")):
+        digest.update(common.sha256_file(path).encode())
+    return f"weights-sha256:{digest.hexdigest()}"
+
+
+def write_index(out_dir: Path, shard_count: int, prompts: Path) -> dict:
+    """index.json: counts, and the sha256 of the prompts file and of every finished shard (the manifest
+    against which a copy of the shards, e.g. a committed one, is checked)."""
     examples = load_examples(out_dir, "all")
     holdout = [e for e in examples if e["holdout"]]
+    finished = sorted(out_dir.glob(SHARD_PATTERN))
     index = {
         "shards": shard_count,
+        "finished_shards": len(finished),
+        "prompts_sha256": common.sha256_file(prompts),
         "rows": len(examples),
         "holdout_rows": len(holdout),
         "train_rows": len(examples) - len(holdout),
         "continuation_tokens": sum(len(e["tokens"]) for e in examples),
         "holdout_tokens": sum(len(e["tokens"]) for e in holdout),
+        "shard_sha256": {path.name: common.sha256_file(path) for path in finished},
     }
     common.atomic_write_json(out_dir / "index.json", index)
     return index

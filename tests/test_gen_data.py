@@ -137,3 +137,57 @@ def test_vllm_backend_without_vllm_is_a_clear_error(setup, tmp_path):
         pytest.skip("vLLM is installed here")
     with pytest.raises(common.UserError, match="--backend vllm needs the vllm package"):
         gen_data.main(argv(setup, tmp_path / "data") + ["--backend", "vllm"])
+
+
+def test_hard_labels_are_uint16_greedy_tokens_and_split_follows_the_rows(setup, tmp_path):
+    """--top-k 0: ids stored as uint16, no top-k tensors; load_examples gives the greedy token as the top 1
+    (log-probability 0); a row's "split" field decides holdout, not the id hash."""
+    rows = common.read_jsonl(setup["prompts"])[:12]
+    for number, row in enumerate(rows):
+        row["split"] = "holdout" if number % 4 == 0 else "train"
+    common.write_jsonl(tmp_path / "split.jsonl", rows)
+    hard = argv(setup, tmp_path / "hard") + ["--top-k", "0", "--prompts", str(tmp_path / "split.jsonl")]
+    gen_data.main(hard)
+    soft = argv(setup, tmp_path / "soft") + ["--prompts", str(tmp_path / "split.jsonl")]
+    gen_data.main(soft)
+    with safe_open(str(tmp_path / "hard" / "shard-00000.safetensors"), framework="pt") as shard:
+        assert shard.get_tensor("tokens").dtype == shard.get_tensor("prompt_ids").dtype == torch.uint16
+        assert "topk_ids" not in shard.keys()
+    hard_examples, soft_examples = gen_data.load_examples(tmp_path / "hard"), gen_data.load_examples(tmp_path / "soft")
+    for hard_example, soft_example in zip(hard_examples, soft_examples, strict=True):
+        assert hard_example["tokens"].tolist() == soft_example["tokens"].tolist()
+        assert hard_example["topk_ids"][:, 0].tolist() == soft_example["topk_ids"][:, 0].tolist()
+        assert hard_example["topk_logprobs"].eq(0).all() and hard_example["topk_ids"].shape[1] == 1
+    assert {e["id"] for e in hard_examples if e["holdout"]} == {"p0", "p4", "p8"}
+    batch = gen_data.collate(hard_examples[:3])
+    assert batch["targets"].tolist() == torch.cat([e["tokens"].long() for e in hard_examples[:3]]).tolist()
+
+
+def test_workers_split_the_shards_and_a_moved_copy_resumes(setup, tmp_path):
+    """Two workers make disjoint shards that together equal one worker's; the shards, copied next to a teacher
+    at another path, are recognised (settings name the weights' sha256, not the path); index.json lists
+    every shard's sha256 and a damaged copy is refused."""
+    out = tmp_path / "data"
+    for worker in ("0", "1"):
+        gen_data.main(argv(setup, out) + ["--limit", "24", "--workers", "2", "--worker", worker])
+    gen_data.main(argv(setup, tmp_path / "single") + ["--limit", "24"])
+    assert shard_contents(out) == shard_contents(tmp_path / "single")
+    moved_teacher = tmp_path / "elsewhere" / "teacher"
+    moved_teacher.parent.mkdir()
+    os.symlink(setup["teacher"], moved_teacher)
+    moved = argv(setup, out) + ["--limit", "24", "--teacher", str(moved_teacher)]
+    index = gen_data.main(moved)
+    log = common.log_path_beside(out, "gen_data").read_text()
+    assert log.count("already complete, skipped") == 3 and index["finished_shards"] == 3
+    assert index["shard_sha256"]["shard-00001.safetensors"] == common.sha256_file(out / "shard-00001.safetensors")
+    damaged = out / "shard-00001.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b" ")
+    with pytest.raises(common.UserError, match="shard-00001.safetensors has another sha256 than"):
+        gen_data.main(moved)
+
+
+def test_bad_worker_numbers_are_refused(setup, tmp_path):
+    with pytest.raises(common.UserError, match=r"--worker must be in 0..1 \(--workers 2\), got 2"):
+        gen_data.main(argv(setup, tmp_path / "data") + ["--workers", "2", "--worker", "2"])
+    with pytest.raises(common.UserError, match="--top-k must be 0"):
+        gen_data.main(argv(setup, tmp_path / "data") + ["--top-k", "-1"])
