@@ -136,6 +136,15 @@ class Drafter:
     device = property(lambda self: self.model.norm.weight.device)
     dtype = property(lambda self: self.model.norm.weight.dtype)  # the compute dtype
 
+    def warm_up(self, max_batch_size: int) -> None:
+        """Draft once in every batch bucket up to max_batch_size's, so a broken model fails at start-up, a
+        compiled step is built before the first client arrives, and no client pays for either."""
+        for bucket in self.decoder.buckets:
+            rows = min(bucket, self.cache.num_slots // 2)
+            draft_batch(self, [[0, 0]] * rows, max_tokens=2, stop_token_ids=[])
+            if bucket >= max_batch_size:
+                break
+
     def weight_bytes(self) -> int:
         """Resident bytes of the model's parameters and buffers (a tied embedding counted once)."""
         tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
@@ -175,6 +184,7 @@ class Drafter:
             "lora_rank": self.lora_rank,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "decode": {"compiled": self.decoder.compiled, "batch_buckets": list(self.decoder.buckets)},
             "weights": self.weights,
             "weight_bytes": self.weight_bytes(),
             "max_context": self.max_context,

@@ -26,7 +26,7 @@ import torch
 
 from kv_cache import KVCache
 from planning import BATCH_BUCKETS, Piece, batch_bucket, chunk_end, prefill_pieces, waves, window_bucket
-from transformer import Plan, Segment, StepPlan, Transformer
+from transformer import KEY_BLOCK, Plan, Segment, StepPlan, Transformer
 
 PREFILL_TOKENS = 2048  # tokens per prefill forward: bounds the size of its temporaries
 
@@ -96,9 +96,18 @@ class Decoder:
         if not self.compiled:
             return forward_step
         if batch not in self.steps:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
-            self.steps[batch] = torch.compile(forward_step, fullgraph=True, dynamic=False, mode=mode)
+            # Rounding every intermediate to the model's dtype where eager does keeps the compiled step's bits
+            # equal to the eager step's and to a prefill's, so the cache may reuse either.
+            options = {"emulate_precision_casts": True}
+            if self.device.type == "cuda":
+                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets: replay as a CUDA graph
+            self.steps[batch] = torch.compile(forward_step, fullgraph=True, dynamic=False, options=options)
         return self.steps[batch]
+
+    def may_read_host(self) -> bool:
+        """Whether the loop may stop when every row has finished: that reads a device value, which on the CPU
+        is free and on a GPU would wait for the step (and break a CUDA graph's replay)."""
+        return self.device.type == "cpu"
 
     def shapes(self, rows: list[list[int]], budgets: list[int]) -> tuple[int, int]:
         """(batch rows, keys per step) of a call: bucketed when compiled."""
@@ -134,6 +143,9 @@ class Decoder:
         counts = torch.zeros(batch, dtype=torch.long, device=device)
         tokens, logprobs = [], []
         step_fn = self.step(batch)
+        key_positions = torch.arange(window, device=device).view(-1, KEY_BLOCK)
+        if self.compiled:
+            torch._dynamo.mark_dynamic(key_positions, 0)  # one graph serves every window of the bucket
         for step in range(steps):
             token = logits.max(dim=-1).indices  # (batch,): the first maximum, as argmax, which is slower on bf16
             tokens.append(token)
@@ -143,9 +155,9 @@ class Decoder:
             live = live & ~torch.isin(token, stop) & (budget > step + 1)
             if threshold is not None:
                 live &= logits.float().softmax(dim=-1).amax(dim=-1) >= threshold
-            if step + 1 == steps or (device.type == "cpu" and not live.any()):  # the CPU reads it for free
+            if step + 1 == steps or (self.may_read_host() and not live.any()):
                 break
-            plan = StepPlan(position, torch.where(live, slot, self.cache.scratch), slot, window)
+            plan = StepPlan(position, torch.where(live, slot, self.cache.scratch), slot, key_positions)
             logits = step_fn(self.model, self.cache, plan, token)
             position = position + live
         return self._to_host(torch.stack(tokens, dim=1)[:n], counts[:n], logprobs, n)

@@ -33,7 +33,9 @@ class KVCache:
         if num_slots < 2:
             raise ValueError(f"cache_slots must be at least 2, got {num_slots}")
         self.capacity = round_up(max_len, CHUNK)
-        shape = (num_layers, num_slots + 1, num_kv_heads, self.capacity, head_dim)
+        # One spare chunk past the capacity, never read: a window then never spans a whole slot, which a
+        # compiled step would otherwise take as a constant size.
+        shape = (num_layers, num_slots + 1, num_kv_heads, self.capacity + CHUNK, head_dim)
         # torch.empty on CPU does not touch the pages, so memory is committed only as slots fill.
         self.keys = torch.empty(shape, device=device, dtype=dtype)
         self.values = torch.empty(shape, device=device, dtype=dtype)

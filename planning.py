@@ -75,9 +75,10 @@ def batch_bucket(rows: int, buckets: tuple[int, ...]) -> int:
 
 
 def window_bucket(keys: int, capacity: int) -> int:
-    """The number of keys a decode step reads when its rows need `keys`: CHUNK times a power of two, at most
-    `capacity`. A handful of windows serve every context length, and at most half of a window is padding."""
-    window = CHUNK
+    """The number of keys a decode step reads when its rows need `keys`: CHUNK times a power of two, at least
+    two chunks (a compiler treats a size of 1 as a constant), at most `capacity`. A handful of windows serve
+    every context length, and at most half of a window is padding."""
+    window = 2 * CHUNK
     while window < keys:
         window *= 2
     return min(window, capacity)

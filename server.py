@@ -295,10 +295,20 @@ def load_drafter(settings: ServerSettings) -> draft_model.Drafter:
             max_context=settings.max_context,
             weights=settings.weights,
             verify_integrity=not settings.skip_integrity_check,
+            compiled=settings.compiled,
+            batch_buckets=settings.batch_buckets,
         )
     except draft_model.ModelLoadError as error:
         raise ConfigError(f"cannot load the model from --model-dir {settings.model_dir}: {error}") from None
-    draft_model.draft_batch(drafter, [[0]], max_tokens=1)
+    try:
+        drafter.warm_up(settings.max_batch_size)
+    except Exception as error:  # a compiler failure can be of any type; the operator needs one line
+        if not settings.compiled:
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"compiling the decode step failed ({reason}); start with --compile off (COMPILE=0)"
+        ) from None
     return drafter
 
 

@@ -17,6 +17,7 @@ import torch
 import checkpoint
 import draft_model
 import package_manifest
+import planning
 
 MEMORY_HEADROOM = 0.9  # share of the available memory the weights and the KV cache may take; the rest:
 # activations of a prefill chunk, the Python heap, the page cache of the weight files
@@ -32,6 +33,10 @@ def at_least(low: float) -> Callable[[float], str | None]:
 
 def within(low: float, high: float) -> Callable[[float], str | None]:
     return lambda value: None if low <= value <= high else f"must be in {low}..{high}, got {value}"
+
+
+def bucket_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
 
 
 def setting(
@@ -101,6 +106,19 @@ class ServerSettings:
         "auto",
         choices=checkpoint.WEIGHT_PATHS,
     )
+    compile: str = setting(
+        "decode with a step compiled once per batch bucket (torch.compile; replayed as a CUDA graph on cuda), "
+        "built at start-up; auto: on for cuda, off for cpu (there compiling takes minutes and gains little)",
+        "auto",
+        choices=("auto", "on", "off"),
+    )
+    batch_buckets: tuple[int, ...] = setting(
+        "batch sizes the decode step runs in (increasing powers of two): a batch is padded to the next one "
+        "when compiled, and a batch above the largest is split",
+        planning.BATCH_BUCKETS,
+        parse=bucket_list,
+        check=planning.bucket_problem,
+    )
     threads: int | None = setting(
         "CPU threads for drafting (default: one fewer than torch's one per core, at least 1: a core is left to "
         "the HTTP event loop, which otherwise competes with the drafting threads)",
@@ -148,6 +166,11 @@ class ServerSettings:
                 "each batch needs a slot per row plus slots that keep earlier prefixes for reuse; "
                 "raise --cache-slots or lower --max-batch-size"
             )
+
+    @property
+    def compiled(self) -> bool:
+        on_cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        return self.compile == "on" or (self.compile == "auto" and on_cuda)
 
     @property
     def slots(self) -> int:

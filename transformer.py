@@ -234,12 +234,13 @@ class StepPlan:
     """What one decode step computes: one token per row, all tensors on the device, fixed shapes.
 
     Row b feeds its token at positions[b], writes its keys and values to write_slots[b] (the scratch
-    slot for padding and finished rows) and attends over keys 0..window-1 of read_slots[b]."""
+    slot for padding and finished rows) and attends over keys 0..window-1 of read_slots[b]. The window
+    is the length of a tensor, not an int, so that a compiled step takes it as a dynamic size."""
 
     positions: torch.Tensor  # (B,)
     write_slots: torch.Tensor  # (B,)
     read_slots: torch.Tensor  # (B,)
-    window: int  # a multiple of KEY_BLOCK
+    key_positions: torch.Tensor  # (window / KEY_BLOCK, KEY_BLOCK): 0..window-1 by blocks
     dense_rows: int = 0  # a step's tokens all take the INT4 kernel
 
 
@@ -317,7 +318,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q_and_k, cos, sin).split([H, H_kv], dim=1)  # one rotation for both
         cache.write(layer, plan.write_slots, plan.positions, k, v)
         if isinstance(plan, StepPlan):
-            keys, values = cache.window(layer, plan.read_slots, plan.window)  # (B, H_kv, window, D)
+            keys, values = cache.window(layer, plan.read_slots, plan.key_positions.numel())  # (B, H_kv, window, D)
             out = block_attention(q[:, None], keys, values, plan.positions[:, None])[:, 0]
         else:
             out = torch.empty_like(q)

@@ -47,7 +47,7 @@ def forward_stepwise(drafter: draft_model.Drafter, tokens: list[int]) -> torch.T
     cache.clear_garbage([0], cache.capacity)
     logits = []
     for t, token in enumerate(tokens):
-        plan = StepPlan(torch.tensor([t]), slot, slot, window=chunk_end(t, cache.capacity))
+        plan = StepPlan(torch.tensor([t]), slot, slot, torch.arange(chunk_end(t, cache.capacity)).view(-1, 64))
         logits.append(engine.forward_step(drafter.model, cache, plan, torch.tensor([token]))[0])
     return torch.stack(logits)
 
