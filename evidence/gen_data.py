@@ -209,9 +209,9 @@ def load_examples(data_dir: Path, split: str = "all") -> list[dict]:
             ids = json.loads(shard.metadata()["ids"])
             tensors = {key: shard.get_tensor(key) for key in shard.keys()}
         # kept as stored (int32 ids): at full scale the top-k tensors are most of the memory
-        prompts = tensors["prompt_ids"].split(tensors["prompt_lengths"].tolist())
+        prompts = tensors["prompt_ids"].to(torch.int32).split(tensors["prompt_lengths"].tolist())
         lengths = tensors["token_lengths"].tolist()
-        tokens = tensors["tokens"].split(lengths)
+        tokens = tensors["tokens"].to(torch.int32).split(lengths)  # uint16 in hard-label shards
         if "topk_ids" in tensors:
             topk_ids = tensors["topk_ids"].split(lengths)
             topk_logprobs = tensors["topk_logprobs"].split(lengths)

@@ -11,6 +11,14 @@ GPU. Under torchrun / accelerate launch (WORLD_SIZE set) it runs as DDP: each ra
 WORLD_SIZE-th example of the shuffled epoch, rank 0 evaluates and saves. The checkpoint kept is the one
 with the best holdout tau measured by the exact offline estimator (evidence/tau.py), step 0 included.
 
+Hard-label data (gen_data.py --top-k 0) gives a top 1 of probability 1, so the KL term is zero and the
+loss is cross-entropy on the teacher's tokens; --teacher DIR recomputes the teacher's top --teacher-top-k
+log-probabilities on the fly for each batch instead (one teacher forward per micro-batch, no storage).
+
+--checkpoint-every N saves the trainable weights, optimizer, schedule, history and best weights to
+OUT.train_drafter.checkpoint.pt every N steps (atomically); a rerun with the same flags and data resumes
+from it at that step (the same micro-batches follow) and refuses a checkpoint of other settings or data.
+
 Reads: the base model (directory or hub id + --base-revision) and DATA_DIR from gen_data.py.
 Writes: OUT (a Hugging Face model directory with the selected weights), OUT.train_drafter.json (history
 and the selected step) and the log OUT.train_drafter.log.
@@ -18,11 +26,15 @@ and the selected step) and the log OUT.train_drafter.log.
     python -m evidence.train_drafter --base Qwen/Qwen3-1.7B --base-revision COMMIT --data WORK/data \
         --out WORK/student --k 16 --epochs 2 --lr 2e-5
     torchrun --nproc_per_node 8 -m evidence.train_drafter ...same flags...
+    python -m evidence.train_drafter --base SMALL/student_init --data evidence/data/sharegpt_labels \
+        --out WORK/student --teacher SMALL/teacher --checkpoint-every 50 --lr 3e-4 --epochs 1
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import random
@@ -126,6 +138,40 @@ def init_distributed() -> Distributed:
     return Distributed(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank)
 
 
+@dataclass
+class TrainOptions:
+    """What train_drafter.py adds to the shared training loop: checkpoints to resume from, and a teacher
+    whose top-k replaces the stored one."""
+
+    checkpoint: Path | None = None  # resume from it when it exists; save to it every checkpoint_every steps
+    checkpoint_every: int = 0
+    fingerprint: str = ""  # settings and data; a checkpoint of another fingerprint is refused
+    teacher: torch.nn.Module | None = None
+    teacher_top_k: int = 20
+
+
+@torch.no_grad()
+def teacher_top_k(teacher: torch.nn.Module, batch: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    """The teacher's top-k ids and log-probabilities at the batch's continuation positions: [N, k] each."""
+    logprobs = torch.log_softmax(continuation_logits(teacher, batch).float(), dim=-1)
+    values, ids = logprobs.topk(k, dim=-1)
+    return {"topk_ids": ids, "topk_logprobs": values}
+
+
+def save_checkpoint(path: Path, step: int, state: dict) -> None:
+    with common.atomic_path(path) as temporary:
+        torch.save({"step": step, **state}, temporary)
+
+
+def load_checkpoint(path: Path, fingerprint: str) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("fingerprint") != fingerprint:
+        raise common.UserError(
+            f"{path} was saved by a run with other settings or data; rerun with the same flags and data, or delete it"
+        )
+    return state
+
+
 def train(
     model: torch.nn.Module,
     train_examples: list[dict],
@@ -133,10 +179,12 @@ def train(
     settings: TrainSettings,
     logger,
     distributed: Distributed | None = None,
+    options: TrainOptions | None = None,
 ) -> dict:
     """Optimise the parameters of `model` that require grad; leave `model` holding the weights with the
     best holdout tau. Returns the history and the selected step."""
     distributed = distributed or Distributed()
+    options = options or TrainOptions()
     device = next(model.parameters()).device
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
@@ -176,12 +224,37 @@ def train(
         if distributed.world_size > 1:
             dist.barrier()
 
+    named_trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    start_step = 0
+    if options.checkpoint is not None and options.checkpoint.is_file():
+        state = load_checkpoint(options.checkpoint, options.fingerprint)
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                named_trainable[name].copy_(value.to(device))
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        history[:] = state["history"]
+        best.update(state["best"])
+        start_step = state["step"]
+        for _ in range(start_step * settings.grad_accum):  # the micro-batches the saved run already used
+            next(micro_batches)
+        logger.info("resumed from %s at step %d of %d", options.checkpoint, start_step, total_steps)
     model.train()
-    evaluate(0, None)
-    for step in tqdm(range(1, total_steps + 1), desc="train", disable=not distributed.is_main):
+    if start_step == 0:
+        evaluate(0, None)
+    progress = tqdm(
+        range(start_step + 1, total_steps + 1),
+        desc="train",
+        initial=start_step,
+        total=total_steps,
+        disable=not distributed.is_main,
+    )
+    for step in progress:
         parts = {"loss": 0.0, "ce": 0.0, "kl": 0.0}
         for micro in range(settings.grad_accum):
             batch = {key: value.to(device) for key, value in collate(next(micro_batches)).items()}
+            if options.teacher is not None:
+                batch.update(teacher_top_k(options.teacher, batch, options.teacher_top_k))
             last_micro = micro == settings.grad_accum - 1
             sync = nullcontext() if last_micro or distributed.world_size == 1 else distiller.no_sync()
             with sync:
@@ -205,6 +278,19 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         if step % settings.eval_every == 0 or step == total_steps:
             evaluate(step, {**parts, "lr": scheduler.get_last_lr()[0]})
+        if options.checkpoint is not None and options.checkpoint_every and step % options.checkpoint_every == 0:
+            if distributed.is_main:
+                trainable_state = {n: p.detach().cpu().clone() for n, p in named_trainable.items()}
+                state = dict(
+                    fingerprint=options.fingerprint,
+                    trainable=trainable_state,
+                    optimizer=optimizer.state_dict(),
+                    scheduler=scheduler.state_dict(),
+                    history=history,
+                    best=best,
+                )
+                save_checkpoint(options.checkpoint, step, state)
+                logger.info("step %d: checkpoint saved to %s", step, options.checkpoint)
     model.eval()
     if distributed.is_main:
         with torch.no_grad():
@@ -263,6 +349,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, required=True, help="gen_data.py output directory")
     parser.add_argument("--out", type=Path, required=True, help="output model directory")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--teacher", default=None, help="teacher directory: its top-k is computed per batch (for hard-label data)"
+    )
+    parser.add_argument("--teacher-top-k", type=int, default=20)
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="save a resumable checkpoint every N steps (0: never)"
+    )
     add_train_arguments(parser, TrainSettings())
     return parser.parse_args(argv)
 
@@ -287,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=torch.float32).to(device)
     check_vocabulary(model, train_examples + holdout_examples)
     logger.info("%d train / %d holdout examples; %s", len(train_examples), len(holdout_examples), settings)
-    result = train(model, train_examples, holdout_examples, settings, logger, distributed)
+    options = train_options(args, settings, train_examples, holdout_examples, device)
+    result = train(model, train_examples, holdout_examples, settings, logger, distributed, options)
     report = {
         "base": args.base,
         "base_revision": revision,
@@ -303,6 +397,35 @@ def main(argv: list[str] | None = None) -> dict:
     if distributed.world_size > 1:
         dist.destroy_process_group()
     return report
+
+
+def train_options(
+    args: argparse.Namespace, settings: TrainSettings, train_examples: list[dict], holdout_examples: list[dict], device
+) -> TrainOptions:
+    if args.checkpoint_every < 0 or args.teacher_top_k < 1:
+        raise common.UserError(
+            f"--checkpoint-every must be 0 or more and --teacher-top-k at least 1; got {args.checkpoint_every}, "
+            f"{args.teacher_top_k}"
+        )
+    teacher = None
+    if args.teacher is not None:
+        teacher_dir, _ = common.resolve_model(args.teacher, None)
+        teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(device).eval()
+    identity = {
+        "base": args.base,
+        "settings": asdict(settings),
+        "teacher": args.teacher,
+        "teacher_top_k": args.teacher_top_k,
+        "train_ids": [e["id"] for e in train_examples],
+        "holdout_ids": [e["id"] for e in holdout_examples],
+    }
+    return TrainOptions(
+        checkpoint=common.log_path_beside(args.out, "train_drafter").with_suffix(".checkpoint.pt"),
+        checkpoint_every=args.checkpoint_every,
+        fingerprint=hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
+        teacher=teacher,
+        teacher_top_k=args.teacher_top_k,
+    )
 
 
 def check_vocabulary(model: torch.nn.Module, examples: list[dict]) -> None:

@@ -188,3 +188,70 @@ def test_same_script_runs_as_ddp_under_torchrun(data, tmp_path):
     assert report["total_steps"] == 3 and [e["step"] for e in report["history"]] == [0, 3]
     for rank in (0, 1):
         assert "train / " in common.log_path_beside(out, f"train_drafter.rank{rank}").read_text()
+
+
+def resumable_argv(data: dict, out: Path, lr: str = "3e-3") -> list[str]:
+    return [
+        "--base",
+        str(data["base"]),
+        "--data",
+        str(data["data"]),
+        "--out",
+        str(out),
+        "--k",
+        "4",
+        "--lr",
+        lr,
+        "--warmup-steps",
+        "2",
+        "--max-steps",
+        "8",
+        "--batch-size",
+        "6",
+        "--eval-every",
+        "3",
+        "--checkpoint-every",
+        "2",
+    ]
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(data, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from evidence import train_drafter
+
+    reference = train_drafter.main(resumable_argv(data, tmp_path / "whole"))
+    real_loss, calls = train_drafter.distillation_loss, []
+
+    def loss_that_dies_at_step_5(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # the sitting ends during step 5; the checkpoint of step 4 is on disk
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train_drafter, "distillation_loss", loss_that_dies_at_step_5)
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter.main(resumable_argv(data, out))
+    monkeypatch.setattr(train_drafter, "distillation_loss", real_loss)
+    resumed = train_drafter.main(resumable_argv(data, out))
+    log = common.log_path_beside(out, "train_drafter").read_text()
+    assert "at step 4 of 8" in log and len(calls) == 5
+    assert resumed["history"] == reference["history"] and resumed["selected_step"] == reference["selected_step"]
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[name], cut[name]) for name in whole)
+    with pytest.raises(common.UserError, match="was saved by a run with other settings or data"):
+        train_drafter.main(resumable_argv(data, out, lr="1e-3"))
+
+
+def test_teacher_top_k_on_the_fly_equals_the_stored_top_k(data):
+    from transformers import AutoModelForCausalLM
+
+    from evidence.gen_data import collate
+    from evidence.train_drafter import teacher_top_k
+
+    teacher = AutoModelForCausalLM.from_pretrained(data["root"] / "teacher").eval()
+    batch = collate(load_examples(data["data"], "all")[:5])
+    recomputed = teacher_top_k(teacher, batch, k=20)
+    assert torch.equal(recomputed["topk_ids"][:, 0], batch["targets"])  # greedy labels are the top 1
+    torch.testing.assert_close(recomputed["topk_logprobs"], batch["topk_logprobs"], rtol=1e-4, atol=1e-4)
