@@ -63,7 +63,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="which settings to run ('none' always runs: it is the baseline)",
     )
     parser.add_argument("--engine-python", type=Path, default=ENGINE_PYTHON, help="python of the vLLM environment")
-    parser.add_argument("--server-threads", type=int, default=1, help="the draft server's --threads")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=max(os.cpu_count() or 1, 1),
+        help="the draft server's --threads (default: every core; vLLM waits while the server drafts)",
+    )
+    parser.add_argument(
+        "--proposer-timeout-s",
+        type=float,
+        default=60.0,
+        help="DRAFT_SERVER_TIMEOUT_S: long by default, so that fixed k measures drafting rather than timeouts",
+    )
     return parser.parse_args(argv)
 
 
@@ -130,7 +141,11 @@ def run_setting(args, name: str, target: Path, draft: Path, prompts: Path, url: 
     command = [str(args.engine_python), str(RUNNER), "--method", method, "--target", str(target)]
     command += ["--prompts", str(prompts), "--count", str(args.count), "--max-tokens", str(args.max_tokens)]
     command += ["--k", str(args.k), "--draft", str(draft), "--out", str(out)]
-    env = os.environ | {"DRAFT_SERVER_URL": url, "DRAFT_SERVER_ADAPTIVE": "1" if name == "server_adaptive" else "0"}
+    env = os.environ | {
+        "DRAFT_SERVER_URL": url,
+        "DRAFT_SERVER_ADAPTIVE": "1" if name == "server_adaptive" else "0",
+        "DRAFT_SERVER_TIMEOUT_S": str(args.proposer_timeout_s),
+    }
     logger.info("%s: %s", name, " ".join(command))
     with open(args.work / f"{name}.log", "wb") as log_file:
         finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, check=False)
@@ -209,9 +224,14 @@ def main(argv: list[str] | None = None) -> dict:
         server.wait(timeout=60)
     rows = [summarise(name, results[name], results["none"]) for name in settings]
     cpu = f"{cpu_name()}, {os.cpu_count()} cores"
-    report = {"cpu": cpu, "count": args.count, "max_tokens": args.max_tokens, "k": args.k, "rows": rows}
+    report = {"cpu": cpu, "rows": rows} | {
+        name: getattr(args, name) for name in ("count", "max_tokens", "k", "server_threads", "proposer_timeout_s")
+    }
     common.atomic_write_json(args.work / "bench_vllm.json", report)
     print(f"CPU: {cpu}; {args.count} MT-bench first turns, {args.max_tokens} new tokens, greedy, fp32 target")
+    print(
+        f"draft server: {args.package}, --threads {args.server_threads}; proposer timeout {args.proposer_timeout_s} s"
+    )
     print(table(rows, args.k))
     return report
 
