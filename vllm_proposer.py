@@ -48,6 +48,7 @@ PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # a new request starts at acceptance 0.5
 EVIDENCE_DECAY = 0.9  # older steps count less: acceptance changes along a generation
 TIMING_DECAY = 0.9
 PROBE_EVERY_FIRST, PROBE_EVERY_MAX = 8, 128  # steps without a draft before a request is probed with one token
+PROBE_SHARE = 0.05  # calls made only to probe take at most this share of the time
 
 
 class ProposerConfigError(ValueError):
@@ -265,6 +266,7 @@ class DraftServerProposer:
         self.timer = StepTimer()
         self.server_limits: dict | None = None
         self.retry_at, self.backoff_s, self.failing = 0.0, BACKOFF_FIRST_S, False
+        self.probes_allowed_at, self.last_call_s = 0.0, 0.0
         self.stats = {"calls": 0, "failed_calls": 0, "drafted_tokens": 0, "rejected_items": 0}
         try:
             self.server_limits = self.health_limits()
@@ -329,8 +331,11 @@ class DraftServerProposer:
             # A request not decoding this step (a prefill chunk) gets no draft; every draft token needs room.
             limits.append(min(self.k, self.max_model_len - len(tokens) - 1) if sampled else 0)
         self.histories = next_histories  # requests that left the batch are forgotten
-        lengths = self.draft_lengths(histories, limits) if self.server_ready(now) else [0] * rows
+        planned = self.draft_lengths(histories, limits) if self.server_ready(now) else [0] * rows
+        lengths = self.with_probes(planned, histories, limits, now)
         drafts = self.fetch_drafts(sequences, lengths, histories) if any(lengths) else [[] for _ in range(rows)]
+        if any(lengths) and not any(planned):  # a call made only to probe: the next waits in proportion
+            self.probes_allowed_at = time.monotonic() + self.last_call_s / PROBE_SHARE
         for history, draft, limit in zip(histories, drafts, limits, strict=True):
             history.last_draft = draft
             if not draft and limit > 0:
@@ -357,7 +362,13 @@ class DraftServerProposer:
         else:
             acceptance = [history.acceptance for history in histories]
             lengths = plan_draft_lengths(acceptance, limits, self.timer.target_s, *cost)
-        # A request the plan leaves out is probed with one token now and then, so its estimate can recover.
+        return lengths
+
+    def with_probes(self, lengths: list[int], histories: list[RequestHistory], limits: list[int], now: float):
+        """A request the plan leaves out is probed with one token now and then, so its estimate can recover:
+        free-riding on a call the plan makes anyway, or in a call of probes alone within PROBE_SHARE of the time."""
+        if not self.settings.adaptive or self.failing or (not any(lengths) and now < self.probes_allowed_at):
+            return lengths
         return [
             max(length, 1) if limit > 0 and history.due_for_probe else length
             for length, limit, history in zip(lengths, limits, histories, strict=True)
@@ -395,7 +406,8 @@ class DraftServerProposer:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             self.call_failed(f"POST /draft/batch failed ({describe(error)})")
             return [[] for _ in sequences]
-        self.timer.call_took(sum(asked.values()), time.monotonic() - started)
+        self.last_call_s = time.monotonic() - started
+        self.timer.call_took(sum(asked.values()), self.last_call_s)
         self.stats["calls"] += 1
         drafts: list[list[int]] = [[] for _ in sequences]
         problems = []

@@ -249,7 +249,9 @@ def test_adaptive_length_stops_drafting_a_request_the_target_always_rejects(live
     proposer = proposer_for(live.url, k=8, adaptive=True)
     lengths = run_steps(proposer, Batch([prompt(20, seed=3)]), 40, False, target_s=0.0)
     late = [row[0] for row in lengths[10:]]
-    assert max(late) <= 1 and late.count(0) >= len(late) * 3 // 4, lengths  # only one-token probes now and then
+    assert max(late) <= 1, lengths  # only one-token probes
+    # A probe-only call costs a server round trip, and the loop's "target steps" take no time: probes are rare.
+    assert sum(late) <= 2, lengths
 
 
 def test_fixed_length_always_asks_for_k(live):
