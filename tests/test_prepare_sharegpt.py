@@ -109,6 +109,7 @@ def test_prompts_counts_and_manifest(inputs, tmp_path):
     assert summary["output_sha256"] == common.sha256_file(out) and summary["prompts"] == 5
     assert summary["per_category"] == {"writing": 2, "math": 1, "coding": 1, "other": 1}  # chatA_1: "give it a name"
     assert [row["category"] for row in rows[:4]] == ["coding", "math", "other", "writing"]  # round robin first
+    assert [row["turn"] for row in rows if row["category"] == "writing"] == [1, 2]  # first turns alternate with later
     assert gen_data.holdout_flag(by_id["sharegpt:chatA_0:1"], 0.0) == (splits["sharegpt:chatA_0:1"] == "holdout")
 
 
