@@ -43,7 +43,7 @@ log = logging.getLogger("vllm.draft_server_proposer")  # under vLLM's logger, so
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 2.0
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
-FIRST_DRAFT_LENGTH = 4  # before any step has been timed
+FIRST_DRAFT_LENGTH = 4  # the one request drafted before any call has been timed
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # a new request starts at acceptance 0.5, worth two observed tokens
 EVIDENCE_DECAY = 0.9  # older steps count less: acceptance changes along a generation
 TIMING_DECAY = 0.9
@@ -358,7 +358,10 @@ class DraftServerProposer:
             return limits
         cost = self.timer.draft_cost()
         if cost is None or self.timer.target_s is None:
-            lengths = [min(limit, FIRST_DRAFT_LENGTH) for limit in limits]
+            # Measure before spending: one request drafts (a cold prefill on the server costs a whole prompt),
+            # the others wait one step for a plan.
+            first = next((row for row, limit in enumerate(limits) if limit > 0), None)
+            lengths = [min(limit, FIRST_DRAFT_LENGTH) if row == first else 0 for row, limit in enumerate(limits)]
         else:
             acceptance = [history.acceptance for history in histories]
             lengths = plan_draft_lengths(acceptance, limits, self.timer.target_s, *cost)
