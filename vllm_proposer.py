@@ -48,7 +48,8 @@ PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # a new request starts at acceptance 0.5
 EVIDENCE_DECAY = 0.9  # older steps count less: acceptance changes along a generation
 TIMING_DECAY = 0.9
 PROBE_EVERY_FIRST, PROBE_EVERY_MAX = 8, 128  # steps without a draft before a request is probed with one token
-PROBE_SHARE = 0.05  # calls made only to probe take at most this share of the time
+PROBE_SHARE = 0.05  # calls made only to measure (probes, the first call) take at most this share of the time
+PROBE_ROWS = 2  # requests in a call made only to probe: the longest without a draft first
 
 
 class ProposerConfigError(ValueError):
@@ -331,10 +332,11 @@ class DraftServerProposer:
             # A request not decoding this step (a prefill chunk) gets no draft; every draft token needs room.
             limits.append(min(self.k, self.max_model_len - len(tokens) - 1) if sampled else 0)
         self.histories = next_histories  # requests that left the batch are forgotten
-        planned = self.draft_lengths(histories, limits) if self.server_ready(now) else [0] * rows
+        measuring = self.timer.draft_cost() is None or self.timer.target_s is None
+        planned = self.draft_lengths(histories, limits, measuring) if self.server_ready(now) else [0] * rows
         lengths = self.with_probes(planned, histories, limits, now)
         drafts = self.fetch_drafts(sequences, lengths, histories) if any(lengths) else [[] for _ in range(rows)]
-        if any(lengths) and not any(planned):  # a call made only to probe: the next waits in proportion
+        if any(lengths) and (measuring or not any(planned)):  # a call made only to measure: the next waits
             self.probes_allowed_at = time.monotonic() + self.last_call_s / PROBE_SHARE
         for history, draft, limit in zip(histories, drafts, limits, strict=True):
             history.last_draft = draft
@@ -353,18 +355,17 @@ class DraftServerProposer:
             history.record(history.last_draft, sampled)
         return history
 
-    def draft_lengths(self, histories: list[RequestHistory], limits: list[int]) -> list[int]:
+    def draft_lengths(self, histories: list[RequestHistory], limits: list[int], measuring: bool) -> list[int]:
         if not self.settings.adaptive:
             return limits
-        cost = self.timer.draft_cost()
-        if cost is None or self.timer.target_s is None:
+        if measuring:
             # Measure before spending: one request drafts (a cold prefill on the server costs a whole prompt),
             # the others wait one step for a plan.
             first = next((row for row, limit in enumerate(limits) if limit > 0), None)
             lengths = [min(limit, FIRST_DRAFT_LENGTH) if row == first else 0 for row, limit in enumerate(limits)]
         else:
             acceptance = [history.acceptance for history in histories]
-            lengths = plan_draft_lengths(acceptance, limits, self.timer.target_s, *cost)
+            lengths = plan_draft_lengths(acceptance, limits, self.timer.target_s, *self.timer.draft_cost())
         return lengths
 
     def with_probes(self, lengths: list[int], histories: list[RequestHistory], limits: list[int], now: float):
@@ -372,10 +373,10 @@ class DraftServerProposer:
         free-riding on a call the plan makes anyway, or in a call of probes alone within PROBE_SHARE of the time."""
         if not self.settings.adaptive or self.failing or (not any(lengths) and now < self.probes_allowed_at):
             return lengths
-        return [
-            max(length, 1) if limit > 0 and history.due_for_probe else length
-            for length, limit, history in zip(lengths, limits, histories, strict=True)
-        ]
+        due = [row for row, limit in enumerate(limits) if limit > 0 and histories[row].due_for_probe]
+        if not any(lengths):
+            due = sorted(due, key=lambda row: -histories[row].steps_without_draft)[:PROBE_ROWS]
+        return [max(length, 1) if row in due else length for row, length in enumerate(lengths)]
 
     def server_ready(self, now: float) -> bool:
         """True while calls succeed; after a failure, False until the backoff has passed and /health answers."""
