@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import draft_model
-from http_guards import Metrics
+from metrics import Metrics
 
 log = logging.getLogger("draft_server")
 

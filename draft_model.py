@@ -140,7 +140,7 @@ class Drafter:
         """Draft once in every batch bucket up to max_batch_size's, so a broken model fails at start-up, a
         compiled step is built before the first client arrives, and no client pays for either."""
         for bucket in self.decoder.buckets:
-            rows = min(bucket, self.cache.num_slots // 2)
+            rows = min(bucket, rows_per_call(self.cache.num_slots, self.decoder.buckets))
             draft_batch(self, [[0, 0]] * rows, max_tokens=2, stop_token_ids=[])
             if bucket >= max_batch_size:
                 break

@@ -88,8 +88,8 @@ class Decoder:
         self.device = model.norm.weight.device
         self.steps: dict[int, object] = {}  # batch bucket -> its compiled step
         if compiled and self.device.type == "cuda":
-            torch._dynamo.mark_static_address(cache.keys)  # CUDA graphs read and write the pool in place
-            torch._dynamo.mark_static_address(cache.values)
+            for pool in cache.keys + cache.values:
+                torch._dynamo.mark_static_address(pool)  # CUDA graphs read and write the pool in place
 
     def step(self, batch: int):
         """The step function for a padded batch of `batch` rows."""
@@ -158,6 +158,8 @@ class Decoder:
             if step + 1 == steps or (self.may_read_host() and not live.any()):
                 break
             plan = StepPlan(position, torch.where(live, slot, self.cache.scratch), slot, key_positions)
+            if self.compiled and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are consumed
             logits = step_fn(self.model, self.cache, plan, token)
             position = position + live
         return self._to_host(torch.stack(tokens, dim=1)[:n], counts[:n], logprobs, n)

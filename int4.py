@@ -141,7 +141,9 @@ def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tens
     with several threads split the K reduction, by the sizes of the whole product."""
     rows = a.shape[-2]
     if rows % block:
-        a = torch.cat([a, a.new_zeros(*a.shape[:-2], block - rows % block, a.shape[-1])], dim=-2)
+        a = torch.nn.functional.pad(a, (0, 0, 0, block - rows % block))
+    if a.shape[-2] == block:  # one block: one product (a decode step's rows fit in one)
+        return (a @ b)[..., :rows, :]
     return torch.cat([part @ b for part in a.split(block, dim=-2)], dim=-2)[..., :rows, :]
 
 

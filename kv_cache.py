@@ -7,7 +7,7 @@ prefix is never read.
 
 import torch
 
-from planning import CHUNK, round_up
+from planning import CHUNK, SLOTS_PER_ROW, round_up
 
 # Keys and values are computed CHUNK positions at a time: a complete chunk on the dense-weight path, the
 # positions of a sequence's last, incomplete chunk (and its drafts) on the INT4 kernel. A prefix is
@@ -35,10 +35,12 @@ class KVCache:
         self.capacity = round_up(max_len, CHUNK)
         # One spare chunk past the capacity, never read: a window then never spans a whole slot, which a
         # compiled step would otherwise take as a constant size.
-        shape = (num_layers, num_slots + 1, num_kv_heads, self.capacity + CHUNK, head_dim)
-        # torch.empty on CPU does not touch the pages, so memory is committed only as slots fill.
-        self.keys = torch.empty(shape, device=device, dtype=dtype)
-        self.values = torch.empty(shape, device=device, dtype=dtype)
+        shape = (num_slots + 1, num_kv_heads, self.capacity + CHUNK, head_dim)
+        # A tensor per layer: a compiled step then writes each in place (a write into a view of one tensor
+        # for all layers would be compiled as a copy of the whole pool). torch.empty on CPU does not touch
+        # the pages, so memory is committed only as slots fill.
+        self.keys = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.num_slots, self.max_len, self.scratch = num_slots, max_len, num_slots
         self.zeroed = [0] * num_slots  # positions 0..zeroed-1 of a slot hold numbers, not uninitialised memory
         # The tokens whose KV each slot holds, on the CPU, -1 past a slot's length (no id matches it).
@@ -48,6 +50,13 @@ class KVCache:
         self.complete = [0] * num_slots  # positions 0..complete-1 were computed as complete chunks
         self.last_used = [0] * num_slots
         self.clock = 0
+
+    def forget(self) -> None:
+        """Forget what every slot holds (the memory stays allocated): the next request of any row is cold."""
+        self.tokens.fill_(-1)
+        self.lengths = [0] * self.num_slots
+        self.prompt_len = [0] * self.num_slots
+        self.complete = [0] * self.num_slots
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots, positions (N,); k, v (N, H_kv, D)."""
@@ -75,9 +84,9 @@ class KVCache:
         from, and the matched prefix's KV is copied there, so a conversation sharing only a prefix
         (a system prompt) with another keeps its own slot.
         """
-        if len(batch) > self.num_slots // 2:
+        if len(batch) * SLOTS_PER_ROW > self.num_slots:
             raise ValueError(
-                f"a batch of {len(batch)} needs at least {2 * len(batch)} cache slots, have {self.num_slots}"
+                f"a batch of {len(batch)} needs at least {SLOTS_PER_ROW * len(batch)} cache slots, have {self.num_slots}"
             )
         matches = [self.longest_prefix(row) for row in batch]
         reuse = [self.reusable(slot, n, len(row)) for row, (slot, n) in zip(batch, matches)]
@@ -117,13 +126,15 @@ class KVCache:
         leak through the attention weights (0 * NaN = NaN)."""
         for slot in slots:
             if self.zeroed[slot] < length:
-                self.keys[:, slot, :, self.zeroed[slot] : length] = 0
-                self.values[:, slot, :, self.zeroed[slot] : length] = 0
+                for keys, values in zip(self.keys, self.values):
+                    keys[slot, :, self.zeroed[slot] : length] = 0
+                    values[slot, :, self.zeroed[slot] : length] = 0
                 self.zeroed[slot] = length
 
     def copy_prefix(self, source: int, target: int, length: int) -> None:
-        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
-        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        for keys, values in zip(self.keys, self.values):
+            keys[target, :, :length] = keys[source, :, :length]
+            values[target, :, :length] = values[source, :, :length]
         self.zeroed[target] = max(self.zeroed[target], length)
 
     def commit(self, slot: int, prompt: list[int], fed_drafts: list[int]) -> None:

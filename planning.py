@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 CHUNK = 64  # positions per chunk; the attention's key blocks and the INT4 kernel's 64-row blocks share it
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a compiled decode step is built for
+# Cache slots per row of a call: each row may need a fresh slot beside the one holding its matched prefix.
+SLOTS_PER_ROW = 2
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -85,6 +87,5 @@ def window_bucket(keys: int, capacity: int) -> int:
 
 
 def rows_per_call(cache_slots: int, buckets: tuple[int, ...]) -> int:
-    """How many rows one engine call takes: each row may need a fresh slot beside the one it matched, so a
-    call uses at most half the pool; and no more than the largest batch bucket."""
-    return min(cache_slots // 2, buckets[-1])
+    """How many rows one engine call takes: SLOTS_PER_ROW slots each, and no more than the largest batch bucket."""
+    return min(cache_slots // SLOTS_PER_ROW, buckets[-1])

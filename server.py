@@ -31,7 +31,6 @@ import server_settings
 from api_schema import BatchItemResult, BatchResponse, DraftResponse, ErrorResponse, request_models
 from batcher import Batcher, DraftFailed, PendingDraft, Unavailable
 from http_guards import (
-    Metrics,
     add_response_header,
     describe_validation_errors,
     limit_body_size,
@@ -39,6 +38,7 @@ from http_guards import (
     replica_name,
     require_api_key,
 )
+from metrics import Metrics
 from server_settings import ConfigError, ServerSettings
 
 log = logging.getLogger("draft_server")

@@ -160,9 +160,10 @@ class ServerSettings:
             raise ConfigError(f"--model-dir {self.model_dir}: no config.json there; is it a model package?")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: torch sees no CUDA device here (use --device auto or cpu)")
-        if self.cache_slots is not None and self.cache_slots < 2 * self.max_batch_size:
+        if self.cache_slots is not None and self.cache_slots < planning.SLOTS_PER_ROW * self.max_batch_size:
             raise ConfigError(
-                f"--cache-slots {self.cache_slots} is less than 2 x --max-batch-size ({2 * self.max_batch_size}): "
+                f"--cache-slots {self.cache_slots} is less than {planning.SLOTS_PER_ROW} x --max-batch-size "
+                f"({planning.SLOTS_PER_ROW * self.max_batch_size}): "
                 "each batch needs a slot per row plus slots that keep earlier prefixes for reuse; "
                 "raise --cache-slots or lower --max-batch-size"
             )
@@ -174,7 +175,7 @@ class ServerSettings:
 
     @property
     def slots(self) -> int:
-        return self.cache_slots if self.cache_slots is not None else 2 * self.max_batch_size
+        return self.cache_slots if self.cache_slots is not None else planning.SLOTS_PER_ROW * self.max_batch_size
 
 
 def flag_name(field_name: str) -> str:
@@ -305,7 +306,7 @@ def memory_problem(settings: ServerSettings) -> str | None:
     largest_context = min(room // (slots * kv_bytes_per_token), cfg.max_position_embeddings)
     fits = [
         f"--cache-slots {largest_slots} (CACHE_SLOTS) at this context"
-        if largest_slots >= 2 * settings.max_batch_size
+        if largest_slots >= planning.SLOTS_PER_ROW * settings.max_batch_size
         else None,
         f"--max-context {largest_context} (MAX_CONTEXT) with these slots" if largest_context >= 1 else None,
     ]

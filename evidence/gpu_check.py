@@ -1,17 +1,25 @@
-"""The GPU check: do drafts on the accelerator equal drafts on the CPU, and how long does a draft take there?
+"""The GPU check: do drafts on the accelerator equal the reference, does the decode loop run without host
+syncs as one captured graph per batch bucket, and how long does a draft take there?
 
-1. Exactness: model/ (or --package) loaded on the CPU in fp32 (dense, the exact path) and on --device in
-   fp32 and in bf16; greedy 16-token drafts of the same prompts (lengths 1..1000, one batch, then each
-   alone). fp32 on the device must equal the CPU token for token (exit 1 otherwise); bf16 agreement is
-   reported (a near-tie may flip in bf16).
-2. Latency: a random package of the Qwen3-1.7B shape with an INT4 table (evidence/make_random_package.py;
-   random weights time like trained ones) on --device in bf16: batch 1, 16 draft tokens after a 512-token
-   prompt, cold and as the harness' prefix-cached follow-up; medians of --repeats, against the 25 ms goal.
+1. Exactness on model/ (or --package): the CPU in fp32 (dense, the exact path) is the reference, and
+   transformers' greedy generate() on --device in fp32 is checked against it. On --device: fp32 eager,
+   bf16 eager and bf16 compiled (torch.compile + CUDA graphs, one per batch bucket); greedy 16-token
+   drafts of the same prompts (lengths 1..1000) in one batch, again from the prefix cache, and each alone.
+   fp32 on the device must equal the CPU token for token (exit 1 otherwise); bf16 agreement is reported
+   (a near-tie may flip in bf16), and bf16 batch/alone and cached/cold equality.
+2. The compiled loop: graphs built (one per batch bucket used), and host syncs inside the k-step loop,
+   counted with torch.cuda.set_sync_debug_mode("error") around the loop (must be 0; the one transfer of
+   the results after the loop is outside).
+3. Latency on the Qwen3-1.7B shape (a random package, evidence/make_random_package.py; random weights time
+   like trained ones) in bf16: ms per 16-token draft after a 512-token prompt at batch 1, 4 and 16,
+   eager and compiled, cold and as the harness' prefix-cached follow-up; medians of --repeats; peak GPU
+   memory. Goal: batch 1 compiled <= 12 ms (must: <= 21 ms), batch 16 <= 2x batch 1.
 
     bash evidence/gpu_check.sh                      # the same as: python evidence/gpu_check.py
     python evidence/gpu_check.py --device cuda --repeats 20 --json gpu_check.json
 
-It refuses to run without the device (exit 2). Expect about 2-4 minutes, most of it writing the 1.7B package.
+It refuses to run without the device (exit 2). Expect 4-7 minutes, most of it writing the 1.7B package and
+compiling three batch buckets.
 """
 
 import argparse
@@ -28,11 +36,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import draft_model  # noqa: E402
+import engine  # noqa: E402
 from evidence import common  # noqa: E402
-from evidence.bench_draft import ACCEPTED, DRAFT_TOKENS, SHAPES, Prompts  # noqa: E402
+from evidence.bench_draft import ACCEPTED, DRAFT_TOKENS, SHAPES, Prompts, transformers_model  # noqa: E402
 
 PROMPT_LENGTHS = (1, 7, 64, 300, 1000)
-LATENCY_GOAL_MS = 25.0
+LATENCY_GOAL_MS, LATENCY_MUST_MS = 12.0, 21.0
+LATENCY_BATCHES = (1, 4, 16)
 
 
 def synchronize(device: str) -> None:
@@ -41,29 +51,41 @@ def synchronize(device: str) -> None:
 
 
 def exactness(package: Path, device: str) -> dict:
-    """Drafts of the same prompts on the CPU (fp32) and on `device` (fp32, bf16), batched and alone."""
+    """Drafts of the same prompts on the CPU (fp32) and on `device` (fp32, bf16, bf16 compiled), batched and
+    alone; transformers' greedy tokens on `device` in fp32 against the CPU reference."""
     reference = draft_model.load_model(package, "cpu", "float32", weights="dequant", cache_slots=16)
     prompts = Prompts(reference.vocab_size, seed=1)
     rows = [prompts.rows(1, length)[0] for length in PROMPT_LENGTHS]
     expected = draft_model.draft_batch(reference, rows, DRAFT_TOKENS, stop_token_ids=[])
-    report = {}
-    for dtype in ("float32", "bfloat16"):
-        drafter = draft_model.load_model(package, device, dtype, weights="dequant", cache_slots=16)
-        report[dtype] = compare(drafter, rows, expected)
+    report = {"transformers_fp32_equal_to_cpu": transformers_drafts(reference, package, device, rows) == expected}
+    for name, dtype, compiled in (("float32", "float32", False), ("bfloat16", "bfloat16", False)) + (
+        (("bfloat16_compiled", "bfloat16", True),) if torch.device(device).type == "cuda" else ()
+    ):
+        drafter = draft_model.load_model(package, device, dtype, weights="dequant", cache_slots=16, compiled=compiled)
+        report[name] = compare(drafter, rows, expected)
     if torch.device(device).type == "cpu":  # the default path here: packed INT4 in bf16
         report["packed"] = compare(draft_model.load_model(package, device, cache_slots=16), rows, expected)
     return report
+
+
+def transformers_drafts(reference: draft_model.Drafter, package: Path, device: str, rows: list[list[int]]) -> list:
+    model = transformers_model(reference, package, torch.float32).to(device)
+    drafts = []
+    for row in rows:
+        ids = torch.tensor([row], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=DRAFT_TOKENS, do_sample=False)
+        drafts.append(out[0, len(row) :].tolist())
+    return drafts
 
 
 def compare(drafter: draft_model.Drafter, rows: list[list[int]], expected: list[list[int]]) -> dict:
     """Drafts of `rows` in one batch, again (now from the prefix cache), and each alone on a fresh pool."""
     batched = draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
     again = draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
-    weights = "packed" if drafter.weights == "packed" else "dequant"
     alone = []
     for row in rows:
-        fresh = draft_model.load_model(drafter.source, drafter.device, drafter.dtype, weights=weights, cache_slots=2)
-        alone += draft_model.draft_batch(fresh, [row], DRAFT_TOKENS, stop_token_ids=[])
+        drafter.cache.forget()  # cold, and a compiled step keeps its graphs
+        alone += draft_model.draft_batch(drafter, [row], DRAFT_TOKENS, stop_token_ids=[])
     same = sum(a == b for got, want in zip(batched, expected) for a, b in zip(got, want))
     return {
         "equal_to_cpu_fp32": batched == expected,
@@ -73,37 +95,87 @@ def compare(drafter: draft_model.Drafter, rows: list[list[int]], expected: list[
     }
 
 
-def latency(device: str, repeats: int, scratch: Path) -> dict:
-    """Batch-1 16-token draft after a 512-token prompt on the Qwen3-1.7B shape, cold and cached (ms)."""
-    package = scratch / "qwen3-1.7b"
-    flags = SHAPES["qwen3-1.7b"].split() + ["--group-size", "128", "--embedding-group-size", "128", "--lora-rank", "0"]
+def syncs_in_the_loop(drafter: draft_model.Drafter, rows: list[list[int]]) -> str:
+    """Draft `rows` with CUDA's sync debug mode set to "error" inside the k-step loop: "0", or the first sync."""
+    loop, transfer = engine.Decoder.decode, engine.Decoder._to_host
+
+    def guarded_loop(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return loop(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def transfer_after_the_loop(*args):
+        torch.cuda.set_sync_debug_mode(0)
+        return transfer(*args)
+
+    engine.Decoder.decode, engine.Decoder._to_host = guarded_loop, staticmethod(transfer_after_the_loop)
+    try:
+        draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
+        return "0"
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    finally:
+        engine.Decoder.decode, engine.Decoder._to_host = loop, transfer
+
+
+def timed_draft(drafter: draft_model.Drafter, rows: list[list[int]]) -> tuple[float, list]:
+    """(seconds, drafts) of one draft_batch call, the device synchronised on both sides."""
+    device = str(drafter.device)
+    synchronize(device)
+    start = time.perf_counter()
+    drafts = draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
+    synchronize(device)
+    return time.perf_counter() - start, drafts
+
+
+def time_batches(drafter: draft_model.Drafter, prompts: Prompts, repeats: int) -> dict:
+    report = {}
+    for batch in LATENCY_BATCHES:
+        cold, cached = [], []
+        for _ in range(repeats + 1):  # the first round builds graphs, warms kernels and allocations: dropped
+            rows = prompts.rows(batch, 512)
+            seconds, made = timed_draft(drafter, rows)
+            cold.append(seconds)
+            cached.append(timed_draft(drafter, [row + d[:ACCEPTED] + [d[ACCEPTED]] for row, d in zip(rows, made)])[0])
+        report[batch] = {
+            "cold_ms": 1000 * statistics.median(cold[1:]),
+            "cached_ms": 1000 * statistics.median(cached[1:]),
+        }
+    return report
+
+
+def latency(device: str, repeats: int, scratch: Path, shape: str = "qwen3-1.7b") -> dict:
+    """16-token drafts after a 512-token prompt on `shape`, eager and compiled, cold and cached (ms)."""
+    package = scratch / shape
+    flags = SHAPES[shape].split() + ["--group-size", "128", "--embedding-group-size", "128", "--lora-rank", "0"]
     subprocess.run(
         [sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags, "--output", str(package)],
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    drafter = draft_model.load_model(package, device, "bfloat16", cache_slots=4, max_context=1024)
-    prompts = Prompts(drafter.vocab_size, seed=2)
-    cold, cached = [], []
-    for _ in range(repeats + 1):  # the first round warms up kernels and allocations and is dropped
-        row = prompts.rows(1, 512)[0]
-        synchronize(device)
-        start = time.perf_counter()
-        draft = draft_model.draft_batch(drafter, [row], DRAFT_TOKENS, stop_token_ids=[])[0]
-        synchronize(device)
-        cold.append(time.perf_counter() - start)
-        follow_up = row + draft[:ACCEPTED] + [draft[ACCEPTED]]
-        start = time.perf_counter()
-        draft_model.draft_batch(drafter, [follow_up], DRAFT_TOKENS, stop_token_ids=[])
-        synchronize(device)
-        cached.append(time.perf_counter() - start)
-    return {
-        "cold_ms": 1000 * statistics.median(cold[1:]),
-        "cached_ms": 1000 * statistics.median(cached[1:]),
-        "goal_ms": LATENCY_GOAL_MS,
-        "weights": drafter.weights,
-        "weight_bytes": drafter.weight_bytes(),
-    }
+    report = {}
+    for mode in ("eager", "compiled"):
+        slots = 2 * max(LATENCY_BATCHES)
+        drafter = draft_model.load_model(
+            package, device, "bfloat16", cache_slots=slots, max_context=1024, compiled=mode == "compiled"
+        )
+        prompts = Prompts(drafter.vocab_size, seed=2)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        for batch, figures in time_batches(drafter, prompts, repeats).items():
+            report[f"{mode}_batch_{batch}"] = figures
+        if mode == "compiled":
+            report["graphs"] = sorted(drafter.decoder.steps)
+            if device.startswith("cuda"):
+                report["syncs_in_the_loop"] = syncs_in_the_loop(drafter, prompts.rows(4, 300))
+        if device.startswith("cuda"):
+            report[f"{mode}_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        report["weights"], report["weight_bytes"] = drafter.weights, drafter.weight_bytes()
+    report["goal_ms"], report["must_ms"] = LATENCY_GOAL_MS, LATENCY_MUST_MS
+    report["packed_int4_on_cuda"] = "not built: the loader refuses packed INT4 on CUDA; CUDA runs dense bf16"
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -114,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--repeats", type=int, default=10, help="timed drafts per figure (median reported)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    parser.add_argument(
+        "--shape", default="qwen3-1.7b", choices=sorted(SHAPES), help="random package shape timed (default 1.7B)"
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise common.UserError(
@@ -127,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             "device": name,
             "torch": torch.__version__,
             "exactness": exactness(args.package, args.device),
-            "latency_qwen3_1.7b_shape": latency(args.device, args.repeats, Path(scratch)),
+            f"latency_{args.shape}_shape": latency(args.device, args.repeats, Path(scratch), args.shape),
         }
     print(json.dumps(report, indent=2))
     if args.json is not None:

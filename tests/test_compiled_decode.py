@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import add_peft_adapter, make_hf_model, write_package_with_int4_embedding
+from tiny_models import write_default_path_package
 from torch._dynamo.utils import counters
 
 import draft_model
@@ -42,12 +42,7 @@ def test_windows_are_two_chunks_times_a_power_of_two_within_the_capacity():
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
-    """A GPTQ package with an INT4 table and a LoRA adapter: the default load runs packed INT4 in bf16."""
-    directory = tmp_path_factory.mktemp("compiled") / "package"
-    hf_model = make_hf_model("qwen3", seed=5, initializer_range=0.02)
-    write_package_with_int4_embedding(hf_model, directory, seed=6)
-    add_peft_adapter(hf_model, directory)
-    return directory
+    return write_default_path_package(tmp_path_factory.mktemp("compiled") / "package")
 
 
 def rows_spread_over_the_context(capacity: int, count: int, seed: int) -> list[list[int]]:

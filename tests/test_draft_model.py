@@ -181,8 +181,8 @@ def test_never_written_cache_memory_cannot_leak_into_drafts(qwen3):
     """Uninitialised memory (recycled on CUDA) may hold NaN; a masked key still multiplies its value by 0."""
     hf_model, directory = qwen3
     drafter = draft_model.load_model(directory, cache_slots=4)
-    drafter.cache.keys.fill_(float("nan"))
-    drafter.cache.values.fill_(float("nan"))
+    for pool in drafter.cache.keys + drafter.cache.values:
+        pool.fill_(float("nan"))
     long, short = random_rows([100, 10], seed=24)
     drafts = draft_model.draft_batch(drafter, [long, short], max_tokens=[1, 16], return_logprobs=True)
     assert drafts[1] == reference_greedy(hf_model, short, 16)

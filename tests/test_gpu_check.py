@@ -19,4 +19,6 @@ def test_on_the_cpu_every_path_drafts_the_same_in_a_batch_alone_and_from_the_cac
 def test_gpu_drafts_equal_cpu_drafts_and_latency_is_measured(tmp_path):
     report = gpu_check.main(["--device", "cuda", "--repeats", "3", "--json", str(tmp_path / "gpu.json")])
     assert report["exactness"]["float32"]["equal_to_cpu_fp32"]
-    assert report["latency_qwen3_1.7b_shape"]["cold_ms"] > 0
+    assert report["exactness"]["transformers_fp32_equal_to_cpu"]
+    assert report["latency_qwen3_1.7b_shape"]["syncs_in_the_loop"] == "0"
+    assert report["latency_qwen3_1.7b_shape"]["compiled_batch_1"]["cold_ms"] > 0

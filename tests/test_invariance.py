@@ -10,7 +10,7 @@ common; prompt lengths straddle the engine's 64-position chunks.
 import random
 
 import pytest
-from tiny_models import add_peft_adapter, make_hf_model, write_package_with_int4_embedding
+from tiny_models import write_default_path_package
 
 import draft_model
 
@@ -19,12 +19,7 @@ LENGTHS = [1, 7, 63, 64, 65, 100, 127, 128, 130, 200]
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
-    """A GPTQ package with an INT4 table and a LoRA adapter: the default load runs packed INT4 in bf16."""
-    directory = tmp_path_factory.mktemp("invariance") / "package"
-    hf_model = make_hf_model("qwen3", seed=5, initializer_range=0.02)
-    write_package_with_int4_embedding(hf_model, directory, seed=6)
-    add_peft_adapter(hf_model, directory)
-    return directory
+    return write_default_path_package(tmp_path_factory.mktemp("invariance") / "package")
 
 
 def rows_of(lengths: list[int], seed: int) -> list[list[int]]:

@@ -21,6 +21,7 @@ LAYERS = [
     "engine",
     "draft_model",
     "server_settings",
+    "metrics",
     "http_guards",
     "batcher",
     "api_schema",

@@ -16,7 +16,7 @@ from live_server import RunningServer, metric_samples, prompt, start_server, sto
 
 import draft_model
 from batcher import Batcher, DraftFailed, Unavailable
-from http_guards import Metrics
+from metrics import Metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -158,3 +158,12 @@ def gptq_quant_config(group_size: int, sym: bool = True, desc_act: bool = False)
         "desc_act": desc_act,
         "checkpoint_format": "gptq",
     }
+
+
+def write_default_path_package(directory: Path) -> Path:
+    """A GPTQ package with an INT4 table and a LoRA adapter, weights at the usual 0.02 scale (near-ties are
+    common): the default load runs it packed INT4 in bf16."""
+    hf_model = make_hf_model("qwen3", seed=5, initializer_range=0.02)
+    write_package_with_int4_embedding(hf_model, directory, seed=6)
+    add_peft_adapter(hf_model, directory)
+    return directory
