@@ -313,7 +313,9 @@ def token_ids_problem(
     for position, token_id in enumerate(token_ids):
         if type(token_id) is not int:  # bool is an int subclass, not a token
             return f"token id {token_id!r} at position {position} is not an int"
-        if not 0 <= token_id < vocab_size:
+        if token_id < 0:
+            return f"token id {token_id} at position {position} is negative; token ids are 0..{vocab_size - 1}"
+        if token_id >= vocab_size:
             tokenizer = (
                 f" (this drafter reads {vocabulary}; ids from another tokenizer do not fit)" if vocabulary else ""
             )

@@ -25,6 +25,7 @@ import torch
 import uvicorn
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 
 import draft_model
 import server_settings
@@ -257,7 +258,7 @@ async def unexpected_error(request: fastapi.Request, error: Exception) -> JSONRe
 def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastapi.FastAPI:
     """The FastAPI app around a loaded drafter; the batcher starts in the lifespan (it needs the loop)."""
     service = DraftService(settings, drafter)
-    app = fastapi.FastAPI(
+    app = FastAPIOffline(  # FastAPI serving /docs' Swagger UI files itself: the page works with no network
         title="Draft server",
         version="1",
         description=f"Greedy draft tokens from {drafter.describe()['name']}, for speculative decoding.",

@@ -228,7 +228,7 @@ def test_logprobs_match_reference_log_softmax(qwen3):
     [
         ([], "empty"),
         ([5, 256], "token id 256 at position 1 is outside the vocabulary 0..255"),
-        ([5, -1], "token id -1"),
+        ([5, -1], "token id -1 at position 1 is negative; token ids are 0..255"),
         ([5, True], "token id True at position 1 is not an int"),
         (list(range(3, 3 + 41)), "41 tokens exceed the context limit of 40"),
     ],

@@ -93,7 +93,10 @@ def test_health_describes_model_and_limits(live: RunningServer):
 
 
 def test_docs_and_openapi_are_served(live: RunningServer):
-    assert httpx.get(live.url + "/docs", timeout=10).status_code == 200
+    docs = httpx.get(live.url + "/docs", timeout=10)
+    assert docs.status_code == 200 and "cdn." not in docs.text  # offline too: the page's files come from the server
+    assets = [path for path in docs.text.split('"') if path.endswith((".js", ".css"))]
+    assert assets and all(httpx.get(live.url + path, timeout=10).status_code == 200 for path in assets)
     schema = httpx.get(live.url + "/openapi.json", timeout=10).json()
     assert "/draft" in schema["paths"]
 
