@@ -8,11 +8,15 @@ Each setting runs in its own vLLM process (evidence/vllm_run.py in .venv-engine,
     draft_model   vLLM's in-process draft model: the package's student, INT4 dequantized and LoRA merged (fp32)
     server k=K    this server over HTTP (vllm_proposer.DraftServerProposer), always K draft tokens
     server adaptive   the same, the proposer choosing each request's length (at most K)
+    hook_only     the proposer with no server listening: never a draft, so the cost of the hook itself (vLLM turns
+                  async scheduling off for it)
 
 Columns: wall seconds of the timed generate call (model loading and a warm-up excluded), output tokens per
 second, tau per draft (1 + accepted / drafts, vLLM's mean acceptance length), tau per target step (tokens /
 (tokens - accepted): drafts that were never made count as steps too), acceptance at positions 1..3 (accepted at
-that position / drafts), and how many outputs equal the no-speculation output token for token.
+that position / drafts), and how many outputs equal the no-speculation output token for token. With --repeats R
+each setting runs R times (each time its own vLLM process, the settings interleaved) and the table shows the run
+with the median wall; bench_vllm.json keeps every wall.
 
 Reads: --small (evidence/smollm2_models.py's output: teacher/, tokenizer/, mtbench_prompts.jsonl) and --package
 (default model/). Writes into --work: target/ (teacher + tokenizer), draft/ (the package as an HF directory),
@@ -59,9 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--settings",
         nargs="+",
         default=["none", "ngram", "draft_model", "server_fixed", "server_adaptive"],
-        choices=["none", "ngram", "draft_model", "server_fixed", "server_adaptive"],
+        choices=["none", "ngram", "draft_model", "server_fixed", "server_adaptive", "hook_only"],
         help="which settings to run ('none' always runs: it is the baseline)",
     )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each setting; the table shows the median")
     parser.add_argument("--engine-python", type=Path, default=ENGINE_PYTHON, help="python of the vLLM environment")
     parser.add_argument(
         "--server-threads",
@@ -75,7 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=60.0,
         help="DRAFT_SERVER_TIMEOUT_S: long by default, so that fixed k measures drafting rather than timeouts",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if min(args.count, args.max_tokens, args.k, args.repeats) < 1:
+        parser.error("--count, --max-tokens, --k and --repeats must be at least 1")
+    return args
 
 
 def prepare_target(small: Path, work: Path) -> Path:
@@ -135,26 +143,37 @@ def start_server(package: Path, threads: int, log_path: Path) -> tuple[subproces
     raise common.UserError(f"the draft server did not start; its log: {log_path}")
 
 
-def run_setting(args, name: str, target: Path, draft: Path, prompts: Path, url: str, logger) -> dict:
-    out = args.work / f"{name}.json"
-    method = {"server_fixed": "server", "server_adaptive": "server"}.get(name, name)
+def run_setting(args, name: str, target: Path, draft: Path, prompts: Path, url: str, repeat: int, logger) -> dict:
+    run_name = f"{name}-{repeat}"
+    out = args.work / f"{run_name}.json"
+    method = {"server_fixed": "server", "server_adaptive": "server", "hook_only": "server"}.get(name, name)
     command = [str(args.engine_python), str(RUNNER), "--method", method, "--target", str(target)]
     command += ["--prompts", str(prompts), "--count", str(args.count), "--max-tokens", str(args.max_tokens)]
     command += ["--k", str(args.k), "--draft", str(draft), "--out", str(out)]
     env = os.environ | {
-        "DRAFT_SERVER_URL": url,
+        "DRAFT_SERVER_URL": f"http://127.0.0.1:{free_port()}" if name == "hook_only" else url,
         "DRAFT_SERVER_ADAPTIVE": "1" if name == "server_adaptive" else "0",
         "DRAFT_SERVER_TIMEOUT_S": str(args.proposer_timeout_s),
     }
     logger.info("%s: %s", name, " ".join(command))
-    with open(args.work / f"{name}.log", "wb") as log_file:
+    with open(args.work / f"{run_name}.log", "wb") as log_file:
         finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, check=False)
     if finished.returncode != 0:
-        raise common.UserError(f"vLLM run '{name}' failed (exit {finished.returncode}); see {args.work / name}.log")
+        raise common.UserError(f"vLLM run '{run_name}' failed (exit {finished.returncode}); see {run_name}.log")
     return json.loads(out.read_text())
 
 
-def summarise(name: str, result: dict, baseline: dict) -> dict:
+def summarise(name: str, runs: list[dict], baseline: dict) -> dict:
+    """The median-wall run's figures (speculation counters and texts are the same in every repeat of greedy
+    decoding, up to the adaptive proposer's timing-driven choices), with every repeat's wall and its equality."""
+    result = sorted(runs, key=lambda run: run["wall_s"])[len(runs) // 2]
+    row = summarise_run(name, result, baseline)
+    row["walls_s"] = [run["wall_s"] for run in runs]
+    row["equal_to_none"] = min(summarise_run(name, run, baseline)["equal_to_none"] for run in runs)
+    return row
+
+
+def summarise_run(name: str, result: dict, baseline: dict) -> dict:
     spec = result["spec"]
     tokens = sum(len(output["token_ids"]) for output in result["outputs"])
     drafts, accepted = spec["num_drafts"], spec["num_accepted_tokens"]
@@ -186,7 +205,11 @@ def table(rows: list[dict], k: int) -> str:
     ]
     none_wall = rows[0]["wall_s"]
     for row in rows:
-        label = {"server_fixed": f"this server, k = {k}", "server_adaptive": f"this server, adaptive (k <= {k})"}
+        label = {
+            "server_fixed": f"this server, k = {k}",
+            "server_adaptive": f"this server, adaptive (k <= {k})",
+            "hook_only": "custom_class hook, no server",
+        }
         by_position = " / ".join(f"{rate:.2f}" for rate in row["acceptance_by_position"][:3]) or "-"
         tau_draft = f"{row['tau_per_draft']:.3f}" if row["tau_per_draft"] else "-"
         lines.append(
@@ -218,14 +241,19 @@ def main(argv: list[str] | None = None) -> dict:
     settings = ["none"] + [name for name in args.settings if name != "none"]
     server, url = start_server(args.package, args.server_threads, args.work / "server.log")
     try:
-        results = {name: run_setting(args, name, target, draft, prompts, url, logger) for name in settings}
+        results: dict[str, list[dict]] = {name: [] for name in settings}
+        for repeat in range(args.repeats):  # interleaved, so that a change in the machine's load hits every setting
+            for name in settings:
+                results[name].append(run_setting(args, name, target, draft, prompts, url, repeat, logger))
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-    rows = [summarise(name, results[name], results["none"]) for name in settings]
+    baseline = results["none"][0]
+    rows = [summarise(name, results[name], baseline) for name in settings]
     cpu = f"{cpu_name()}, {os.cpu_count()} cores"
     report = {"cpu": cpu, "rows": rows} | {
-        name: getattr(args, name) for name in ("count", "max_tokens", "k", "server_threads", "proposer_timeout_s")
+        name: getattr(args, name)
+        for name in ("count", "max_tokens", "k", "repeats", "server_threads", "proposer_timeout_s")
     }
     common.atomic_write_json(args.work / "bench_vllm.json", report)
     print(f"CPU: {cpu}; {args.count} MT-bench first turns, {args.max_tokens} new tokens, greedy, fp32 target")
