@@ -131,13 +131,12 @@ class Decoder:
         n, device = len(rows), self.device
         batch, window = self.shapes(rows, budgets)
         pad, steps = batch - n, max(*budgets, 1)
-        as_tensor = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
         # Everything the loop reads, on the device before it starts. Padding rows are finished from the start.
-        slot = as_tensor(slots + [self.cache.scratch] * pad)
-        position = as_tensor([len(row) for row in rows] + [0] * pad)  # where each row feeds its next token
-        budget = as_tensor(budgets + [0] * pad)
-        threshold = as_tensor(thresholds + [0.0] * pad, torch.float32) if any(thresholds) else None
-        stop = as_tensor(list(stop_ids))
+        slot = self._to_device(slots + [self.cache.scratch] * pad)
+        position = self._to_device([len(row) for row in rows] + [0] * pad)  # where each row feeds its next token
+        budget = self._to_device(budgets + [0] * pad)
+        threshold = self._to_device(thresholds + [0.0] * pad, torch.float32) if any(thresholds) else None
+        stop = self._to_device(list(stop_ids))
         logits = torch.nn.functional.pad(logits, (0, 0, 0, pad))
         live = budget > 0
         counts = torch.zeros(batch, dtype=torch.long, device=device)
@@ -163,6 +162,11 @@ class Decoder:
             logits = step_fn(self.model, self.cache, plan, token)
             position = position + live
         return self._to_host(torch.stack(tokens, dim=1)[:n], counts[:n], logprobs, n)
+
+    def _to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A host list on the device; to a GPU from pinned memory, so the copy does not make the host wait."""
+        tensor = torch.tensor(values, dtype=dtype)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor
 
     @staticmethod
     def _to_host(tokens: torch.Tensor, counts: torch.Tensor, logprobs: list[torch.Tensor], n: int) -> Decoded:
