@@ -6,9 +6,10 @@ Loads a package (default: the shipped model/) on the CPU, prefills --batch rando
   eager     the fixed-shape step run op by op
   compiled  the same step compiled for its batch bucket (inductor on the CPU; what --compile on runs)
 
-Operators per step come from torch.profiler: the non-view operators (aten ops that are not views, and
-inductor's fused kernels) of a k-token draft minus those of a 1-token draft, over k - 1 steps, so the
-prefill and the one-off work of a call cancel out. Times are medians of --repeats follow-up calls
+Operators per step come from torch.profiler: the top-level non-view operators (one called inside another,
+such as the .item() inside PyTorch's CPU INT4 matmul, is not counted) and inductor's fused kernels, of a
+k-token draft minus those of a 1-token draft, over k - 1 steps, so the prefill and the one-off work of a
+call cancel out. Times are medians of --repeats follow-up calls
 (each cold: a fresh prompt), ms per k-token draft and per step. Prints the CPU and the kernels chosen;
 writes nothing but --json.
 
@@ -70,15 +71,19 @@ def cpu_description() -> str:
     )
 
 
+def is_operator(name: str) -> bool:
+    return "::" in name  # aten::mm, quantized::int4mm_packed_weight_cpu; not profiler scopes
+
+
 def is_counted(event) -> bool:
-    """A top-level non-view operator or a fused kernel: what a step launches."""
+    """A top-level non-view operator (not one called inside another) or a fused kernel: what a step launches."""
     name = event.name
     if "cpp_fused" in name or "triton_" in name:
         return True
     parent = event.cpu_parent
-    while parent is not None and not parent.name.startswith("aten::"):
+    while parent is not None and not is_operator(parent.name):
         parent = parent.cpu_parent
-    return name.startswith("aten::") and name not in VIEW_OPS and parent is None
+    return is_operator(name) and name not in VIEW_OPS and parent is None
 
 
 def count_operators(drafter, rows: list[list[int]], max_tokens: int) -> int:
