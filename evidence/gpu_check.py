@@ -57,7 +57,9 @@ def exactness(package: Path, device: str) -> dict:
     prompts = Prompts(reference.vocab_size, seed=1)
     rows = [prompts.rows(1, length)[0] for length in PROMPT_LENGTHS]
     expected = draft_model.draft_batch(reference, rows, DRAFT_TOKENS, stop_token_ids=[])
-    report = {"transformers_fp32_equal_to_cpu": transformers_drafts(reference, package, device, rows) == expected}
+    report = {}
+    if torch.device(device).type != "cpu":  # on the CPU the test suite checks our fp32 against transformers
+        report["transformers_fp32_equal_to_cpu"] = transformers_drafts(reference, package, device, rows) == expected
     for name, dtype, compiled in (("float32", "float32", False), ("bfloat16", "bfloat16", False)) + (
         (("bfloat16_compiled", "bfloat16", True),) if torch.device(device).type == "cuda" else ()
     ):
