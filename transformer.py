@@ -12,6 +12,7 @@ from torch import nn
 
 from int4 import Int4Linear, blockwise_matmul
 from kv_cache import KVCache
+from planning import CHUNK
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     return out[0].transpose(0, 1)
 
 
-KEY_BLOCK = 64  # keys per attention block (the chunk length, so a chunk's window is whole blocks)
+KEY_BLOCK = CHUNK  # keys per attention block: a chunk, so a chunk's window is whole blocks
 
 
 def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
