@@ -83,7 +83,9 @@ class Decoder:
     it is replayed as a CUDA graph. Eager, the batch keeps its size and the window is the rows' own need
     (the same bits either way: see block_attention)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BATCH_BUCKETS, compiled=False):
+    def __init__(
+        self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BATCH_BUCKETS, compiled: bool = False
+    ):
         self.model, self.cache, self.buckets, self.compiled = model, cache, buckets, compiled
         self.device = model.norm.weight.device
         self.steps: dict[int, object] = {}  # batch bucket -> its compiled step
