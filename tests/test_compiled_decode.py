@@ -103,12 +103,12 @@ def compiled(package):
 def test_the_compiled_step_is_one_graph_per_batch_bucket_and_drafts_what_eager_drafts(package, compiled):
     eager = draft_model.load_model(package, cache_slots=64)
     rows = rows_spread_over_the_context(compiled.cache.capacity, 16, seed=1)
-    for size in (1, 5, 16):  # buckets 1, 8 and 16; 15 steps; windows from 128 keys to the whole context
+    for size in (1, 2, 3, 5, 16):  # every bucket: 1, 2, 4, 8, 16; 15 steps; windows of 128 keys to the context
         for start in range(0, 16, size):
             part = rows[start : start + size]
             assert drafts(compiled, part) == drafts(eager, part), f"batch of {size} from row {start}"
-    assert sorted(compiled.decoder.steps) == [1, 8, 16]
-    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    assert sorted(compiled.decoder.steps) == [1, 2, 4, 8, 16]
+    assert counters["stats"]["unique_graphs"] == 5, dict(counters["stats"])
     assert not counters["recompiles"] and not counters["graph_break"]
 
 
