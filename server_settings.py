@@ -108,7 +108,8 @@ class ServerSettings:
     )
     compile: str = setting(
         "decode with a step compiled once per batch bucket (torch.compile; replayed as a CUDA graph on cuda), "
-        "built at start-up; auto: on for cuda, off for cpu (there compiling takes minutes and gains little)",
+        "built at start-up; auto: on for cuda, off for cpu (there it takes minutes per bucket at start-up for a "
+        "10-35%% faster draft)",
         "auto",
         choices=("auto", "on", "off"),
     )
