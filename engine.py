@@ -41,7 +41,10 @@ def plan_for(pieces: list[Piece], slots: list[int], capacity: int, device: torch
         window = chunk_end(piece.start, capacity)
         segments.append(Segment(start, len(positions), slots[piece.row], piece.start, window, piece.complete))
     dense_rows = sum(piece.stop - piece.start for piece in pieces if piece.complete)
-    return Plan(torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), segments, dense_rows)
+    masks = [segment.mask(device) if segment.complete_chunk else None for segment in segments]
+    return Plan(
+        torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), segments, dense_rows, masks
+    )
 
 
 def prefill(

@@ -228,6 +228,7 @@ class Plan:
     write_slots: torch.Tensor  # (N,) the cache slot receiving each token's keys and values
     segments: list[Segment]
     dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
+    masks: list[torch.Tensor | None]  # each complete chunk's Segment.mask, made once for every layer
 
 
 @dataclass
@@ -323,11 +324,10 @@ class Attention(nn.Module):
             out = block_attention(q[:, None], keys, values, plan.positions[:, None])[:, 0]
         else:
             out = torch.empty_like(q)
-            for segment in plan.segments:
+            for segment, mask in zip(plan.segments, plan.masks):
                 keys, values = cache.window(layer, plan.write_slots[segment.start : segment.start + 1], segment.window)
                 queries = q[segment.start : segment.stop]  # (T, H, D)
                 if segment.complete_chunk:
-                    mask = segment.mask(q.device)
                     out[segment.start : segment.stop] = chunk_attention(queries, keys[0], values[0], mask)
                 else:
                     positions = plan.positions[None, segment.start : segment.stop]
