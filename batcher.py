@@ -27,20 +27,39 @@ class DraftFailed(Exception):
     """draft_batch raised for the batch this request was in: a 500."""
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """What one request asks of the model, checked against it and with the server's defaults filled in."""
+
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    min_confidence: float  # stop after a draft token less likely than this (0: never)
+    lookup_min_match: int  # copy what followed an earlier n-gram of at least this many tokens (0: off)
+    return_logprobs: bool
+
+
 @dataclass
 class PendingDraft:
-    token_ids: list[int]
-    max_tokens: int
-    min_confidence: float
-    lookup_min_match: int
-    return_logprobs: bool
+    request: DraftRequest
     future: asyncio.Future = field(repr=False)
     taken: bool = False  # in a batch the worker is drafting: past the point where the deadline can refuse it
 
 
-# draft_fn(batch, max_tokens, min_confidence, lookup_min_match, return_logprobs) -> one Draft per row:
-# draft_model.draft_batch bound to a model, with one max_tokens, min_confidence and lookup_min_match per row.
-DraftFn = Callable[[list[list[int]], list[int], list[float], list[int], bool], list[draft_model.Draft]]
+# draft_fn(requests) -> one Draft per request, in order (draft_requests bound to a drafter).
+DraftFn = Callable[[list[DraftRequest]], list[draft_model.Draft]]
+
+
+def draft_requests(drafter: draft_model.Drafter, requests: list[DraftRequest]) -> list[draft_model.Draft]:
+    """draft_model.draft_batch on a batch of requests, each with its own limits. Logprobs are computed for
+    all rows when any request wants them (one decode serves the batch); the server returns them only to those."""
+    return draft_model.draft_batch(
+        drafter,
+        [request.token_ids for request in requests],
+        [request.max_tokens for request in requests],
+        any(request.return_logprobs for request in requests),
+        min_confidence=[request.min_confidence for request in requests],
+        lookup_min_match=[request.lookup_min_match for request in requests],
+    )
 
 
 class Batcher:
@@ -93,13 +112,10 @@ class Batcher:
             await asyncio.gather(self.task, return_exceptions=True)
         self.worker.shutdown(wait=True)
 
-    def submit(
-        self, token_ids: list[int], max_tokens: int, min_confidence: float, lookup_min_match: int, return_logprobs: bool
-    ) -> PendingDraft:
+    def submit(self, request: DraftRequest) -> PendingDraft:
         if not self.accepting:
             raise Unavailable("the server is draining: it answers what it has queued, then stops")
-        future = asyncio.get_running_loop().create_future()
-        pending = PendingDraft(token_ids, max_tokens, min_confidence, lookup_min_match, return_logprobs, future)
+        pending = PendingDraft(request, asyncio.get_running_loop().create_future())
         try:
             self.queue.put_nowait(pending)
         except asyncio.QueueFull:
@@ -161,18 +177,16 @@ class Batcher:
         return batch
 
     async def _draft(self, batch: list[PendingDraft]) -> None:
-        prompts = [pending.token_ids for pending in batch]
-        max_tokens = [pending.max_tokens for pending in batch]
-        min_confidence = [pending.min_confidence for pending in batch]
-        lookup_min_match = [pending.lookup_min_match for pending in batch]
-        want_logprobs = any(pending.return_logprobs for pending in batch)
-        call = functools.partial(self.draft_fn, prompts, max_tokens, min_confidence, lookup_min_match, want_logprobs)
+        requests = [pending.request for pending in batch]
+        call = functools.partial(self.draft_fn, requests)
         started = time.perf_counter()
         try:
             drafts = await asyncio.get_running_loop().run_in_executor(self.worker, call)
             if len(drafts) != len(batch):
                 raise RuntimeError(f"draft_batch returned {len(drafts)} drafts for {len(batch)} sequences")
-            self.metrics.record_batch(prompts, drafts, time.perf_counter() - started)
+            self.metrics.record_batch(
+                [request.token_ids for request in requests], drafts, time.perf_counter() - started
+            )
         except Exception as error:
             self.metrics.failed_batches.inc()
             log.exception("draft_batch failed for a batch of %d requests", len(batch))

@@ -12,6 +12,7 @@ SIGTERM drains: new drafts and /health answer 503, queued requests are answered,
 """
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ from fastapi_offline import FastAPIOffline
 import draft_model
 import server_settings
 from api_schema import BatchItemResult, BatchResponse, DraftResponse, ErrorResponse, request_models
-from batcher import Batcher, DraftFailed, PendingDraft, Unavailable
+from batcher import Batcher, DraftFailed, DraftRequest, PendingDraft, Unavailable, draft_requests
 from http_guards import (
     add_response_header,
     describe_validation_errors,
@@ -103,15 +104,10 @@ class DraftService:
         self.replica = replica_name(settings.host, settings.port)
         self.batcher: Batcher  # set by lifespan
 
-    def draft(self, batch, max_tokens, min_confidence, lookup_min_match, return_logprobs) -> list[draft_model.Draft]:
-        """The batcher's draft_fn, called in its worker thread."""
-        options = {"min_confidence": min_confidence, "lookup_min_match": lookup_min_match}
-        return draft_model.draft_batch(self.drafter, batch, max_tokens, return_logprobs, **options)
-
     @asynccontextmanager
     async def lifespan(self, app: fastapi.FastAPI):
         self.batcher = Batcher(
-            self.draft,
+            functools.partial(draft_requests, self.drafter),
             max_batch_size=self.settings.max_batch_size,
             max_wait_ms=self.settings.max_wait_ms,
             max_queue=self.settings.max_queue,
@@ -124,26 +120,25 @@ class DraftService:
         await self.batcher.stop()
         log.info("batcher stopped; all queued requests answered")
 
-    def submit(self, request) -> tuple[PendingDraft, int]:
-        """Check one request against the model and queue it; (its pending draft, ids truncated)."""
+    def submit(self, body) -> tuple[PendingDraft, int]:
+        """Check a /draft body or /draft/batch item against the model and queue it: (pending draft, ids truncated)."""
         drafter, settings = self.drafter, self.settings
-        start = kept_tokens(request.token_ids, drafter.max_context, request.max_tokens) if request.truncate else 0
-        token_ids = request.token_ids[start:]
+        start = kept_tokens(body.token_ids, drafter.max_context, body.max_tokens) if body.truncate else 0
+        token_ids = body.token_ids[start:]
         problem = draft_model.token_ids_problem(token_ids, drafter.vocab_size, drafter.max_context, self.vocabulary)
         if problem:
             hint = '; send "truncate": true to draft from the most recent ids' if "context limit" in problem else ""
             raise DraftError(400, f"token_ids: {problem}{hint}")
-        min_confidence = settings.min_confidence if request.min_confidence is None else request.min_confidence
-        min_match = settings.lookup_min_match if request.lookup_min_match is None else request.lookup_min_match
+        min_confidence = settings.min_confidence if body.min_confidence is None else body.min_confidence
+        min_match = settings.lookup_min_match if body.lookup_min_match is None else body.lookup_min_match
+        queued = DraftRequest(tuple(token_ids), body.max_tokens, min_confidence, min_match, body.return_logprobs)
         try:
-            pending = self.batcher.submit(
-                token_ids, request.max_tokens, min_confidence, min_match, request.return_logprobs
-            )
+            pending = self.batcher.submit(queued)
         except Unavailable as reason:
             raise DraftError(503, f"{reason}; retry after {RETRY_AFTER_SECONDS} s") from None
         return pending, start
 
-    async def answer(self, pending: PendingDraft, truncated: int, request, client_left) -> DraftResponse | None:
+    async def answer(self, pending: PendingDraft, truncated: int, client_left) -> DraftResponse | None:
         """The draft of a queued request; None when the client hung up first."""
         try:
             result = await self.batcher.wait(pending, client_left)
@@ -156,19 +151,19 @@ class DraftService:
         return DraftResponse(
             draft_token_ids=list(result),
             cached_tokens=result.cached_tokens,
-            logprobs=list(result.logprobs) if request.return_logprobs and result.logprobs is not None else None,
+            logprobs=list(result.logprobs) if pending.request.return_logprobs and result.logprobs is not None else None,
             source=result.source,
             truncated_tokens=truncated,
         )
 
     async def batch_item_result(
-        self, item, submitted: tuple[PendingDraft, int] | DraftError, client_left
+        self, submitted: tuple[PendingDraft, int] | DraftError, client_left
     ) -> BatchItemResult | None:
         """One /draft/batch item's result, from what submit gave for it; None when the client hung up first."""
         if isinstance(submitted, DraftError):
             return BatchItemResult(status=submitted.status, detail=submitted.detail)
         try:
-            response = await self.answer(*submitted, item, client_left)
+            response = await self.answer(*submitted, client_left)
         except DraftError as error:
             return BatchItemResult(status=error.status, detail=error.detail)
         return None if response is None else BatchItemResult(status=200, draft=response)
@@ -194,15 +189,15 @@ class DraftService:
 def add_draft_routes(app: fastapi.FastAPI, service: DraftService) -> None:
     """POST /draft and POST /draft/batch, their bodies built for the loaded model's limits."""
     drafter, settings = service.drafter, service.settings
-    DraftRequest, BatchRequest = request_models(
+    DraftBody, BatchBody = request_models(
         drafter.vocab_size, drafter.max_context, settings.max_draft_tokens, settings.max_queue
     )
 
     @app.post("/draft", response_model=DraftResponse, responses=ERROR_RESPONSES)
-    async def draft(request: DraftRequest, http_request: fastapi.Request) -> DraftResponse | Response:  # type: ignore[valid-type]
+    async def draft(request: DraftBody, http_request: fastapi.Request) -> DraftResponse | Response:  # type: ignore[valid-type]
         client_left = asyncio.ensure_future(http_request.receive())  # the body is read: only a disconnect is left
         try:
-            response = await service.answer(*service.submit(request), request, client_left)
+            response = await service.answer(*service.submit(request), client_left)
         except DraftError as error:
             raise error.as_http() from None
         finally:
@@ -210,7 +205,7 @@ def add_draft_routes(app: fastapi.FastAPI, service: DraftService) -> None:
         return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
 
     @app.post("/draft/batch", response_model=BatchResponse, responses=ERROR_RESPONSES)
-    async def draft_batch(batch: BatchRequest, http_request: fastapi.Request) -> BatchResponse | Response:  # type: ignore[valid-type]
+    async def draft_batch(batch: BatchBody, http_request: fastapi.Request) -> BatchResponse | Response:  # type: ignore[valid-type]
         """Several draft requests in one round trip; each item gets the status /draft would have given it."""
         client_left = asyncio.ensure_future(http_request.receive())
         queued: list[tuple[PendingDraft, int] | DraftError] = []
@@ -219,7 +214,7 @@ def add_draft_routes(app: fastapi.FastAPI, service: DraftService) -> None:
                 queued.append(service.submit(item))
             except DraftError as error:
                 queued.append(error)
-        answers = (service.batch_item_result(item, q, client_left) for item, q in zip(batch.items, queued, strict=True))
+        answers = (service.batch_item_result(submitted, client_left) for submitted in queued)
         try:
             results = await asyncio.gather(*answers)
         finally:

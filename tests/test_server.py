@@ -5,6 +5,7 @@ sequence at a time, so a test fails if batching, queueing or prefix reuse ever c
 """
 
 import asyncio
+import functools
 import json
 import signal
 import time
@@ -15,7 +16,7 @@ import pytest
 from live_server import RunningServer, metric_samples, prompt, start_server, stop_server
 
 import draft_model
-from batcher import Batcher, DraftFailed, Unavailable
+from batcher import Batcher, DraftFailed, DraftRequest, Unavailable, draft_requests
 from metrics import Metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -425,25 +426,13 @@ def test_sigterm_under_load_finishes_queued_requests_and_exits_0(repo_root, tiny
 def in_process_batcher(model_dir: Path, **limits) -> Batcher:
     """The server's batcher around an fp32 drafter in this process (call inside a running event loop)."""
     drafter = draft_model.load_model(model_dir, "cpu", "float32", cache_slots=8)
-
-    def draft_fn(batch, max_tokens, min_confidence, lookup_min_match, return_logprobs):
-        return draft_model.draft_batch(
-            drafter,
-            batch,
-            max_tokens,
-            return_logprobs,
-            min_confidence=min_confidence,
-            lookup_min_match=lookup_min_match,
-        )
-
     settings = {"max_wait_ms": 20, "max_queue": 16, "queue_deadline_s": 60} | limits
-    return Batcher(draft_fn, metrics=Metrics(settings["max_batch_size"]), **settings)
+    return Batcher(functools.partial(draft_requests, drafter), metrics=Metrics(settings["max_batch_size"]), **settings)
 
 
 def submit(batcher: Batcher, token_ids: list[int], max_tokens: int):
-    return batcher.submit(
-        token_ids, max_tokens=max_tokens, min_confidence=0.0, lookup_min_match=0, return_logprobs=False
-    )
+    request = DraftRequest(tuple(token_ids), max_tokens, min_confidence=0.0, lookup_min_match=0, return_logprobs=False)
+    return batcher.submit(request)
 
 
 def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, reference):
@@ -508,3 +497,32 @@ def test_a_request_queued_past_the_deadline_is_refused_and_counted(tiny_checkpoi
     assert isinstance(refused, Unavailable) and "--queue-deadline-s" in str(refused)
     assert metrics.registry.get_sample_value("draft_server_queue_deadline_expired_total") == 1
     assert metrics.registry.get_sample_value("draft_server_batch_size_count") == 1, "the refused one was drafted"
+
+
+def test_requests_sharing_a_batch_each_keep_their_own_options(tiny_checkpoint: Path, reference):
+    """One batch of three requests with different max_tokens, lookup_min_match and return_logprobs: each
+    draft is the one that request gets alone."""
+    opening = prompt(40, seed=960)
+    repeating = opening + prompt(10, seed=961) + opening[:6]  # ends in a 6-token n-gram seen at the start
+    plain = prompt(30, seed=962)
+    requests = [
+        DraftRequest(tuple(plain), 3, min_confidence=0.0, lookup_min_match=0, return_logprobs=False),
+        DraftRequest(tuple(repeating), 8, min_confidence=0.0, lookup_min_match=4, return_logprobs=False),
+        DraftRequest(tuple(plain), 6, min_confidence=0.0, lookup_min_match=0, return_logprobs=True),
+    ]
+
+    async def scenario():
+        batcher = in_process_batcher(tiny_checkpoint, max_batch_size=4, max_wait_ms=200)
+        batcher.start()
+        queued = [batcher.submit(request) for request in requests]
+        drafts = await asyncio.gather(*(batcher.wait(pending) for pending in queued))
+        await batcher.stop()
+        return drafts, batcher.metrics
+
+    (short, copied, with_logprobs), metrics = asyncio.run(scenario())
+    assert metrics.registry.get_sample_value("draft_server_batch_size_count") == 1, "not drafted as one batch"
+    assert short == reference(plain, max_tokens=3) and short.source == "model"
+    assert copied == opening[6:14] and copied.source == "lookup"
+    expected = reference(plain, max_tokens=6, return_logprobs=True)
+    assert with_logprobs == expected
+    assert with_logprobs.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
