@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from huggingface_hub import HfApi, hf_hub_download
 
+from package_manifest import sha256_file  # the one file hash; evidence scripts call it as common.sha256_file
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 FORBIDDEN_SPLITS = ("test", "validation", "valid", "dev", "eval")
@@ -135,14 +137,6 @@ def set_dotted(record: dict, key: str, value: Any) -> None:
         if not isinstance(record, dict):
             raise UserError(f"record key {key}: {name!r} in the record is not a JSON object")
     record[last] = value
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def stable_hash_fraction(text: str) -> float:

@@ -3,7 +3,6 @@ files with the real column layouts of the five declared datasets in a mirror dir
 manifest locked to those files. Everything is made on the fly; nothing touches the network."""
 
 import copy
-import hashlib
 import json
 import random
 from pathlib import Path
@@ -11,6 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from package_manifest import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_REVISION = "0123456789abcdef0123456789abcdef01234567"  # a fixture's pin: only its shape matters here
@@ -127,10 +128,9 @@ def write_mirror(mirror: Path, manifest_out: Path, rows: int = 12, seed: int = 0
         path = mirror / entry["repo"] / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, path)
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
         entry.update(
             revision=FAKE_REVISION,
-            files=[{"path": relative, "sha256": digest, "rows": table.num_rows}],
+            files=[{"path": relative, "sha256": sha256_file(path), "rows": table.num_rows}],
             rows=table.num_rows,
             locked=True,
         )

@@ -1,7 +1,6 @@
 """Starting the draft server: settings generated from one dataclass, configuration errors as one line with exit
 status 2, the memory check, the integrity manifest, serve.sh, and the shipped package."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -281,9 +280,7 @@ def test_shipped_model_package_serves_its_own_vocabulary(repo_root: Path, tmp_pa
 def test_shipped_model_is_what_architecture_json_records(repo_root: Path):
     record = json.loads((repo_root / "architecture.json").read_text())["shipped_package"]
     model_dir = repo_root / "model"
-    shipped = {
-        path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in package_manifest.package_files(model_dir)
-    }
+    shipped = {path.name: package_manifest.sha256_file(path) for path in package_manifest.package_files(model_dir)}
     assert record["model_files_sha256"] == shipped
     assert json.loads((model_dir / package_manifest.MANIFEST).read_text())["sha256"] == shipped
     assert record["measured_tau"]["runs"] and all(run["check"] == "passed" for run in record["measured_tau"]["runs"])
