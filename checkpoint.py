@@ -21,6 +21,7 @@ from int4 import (
     NIBBLES_PER_INT32,
     ZERO_OFFSET,
     Int4Linear,
+    cuda_unsupported,
     gptq_dequantize,
     kernel_layout_is_known,
     rtn_quantize,
@@ -322,11 +323,16 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _load_state(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype, packed: bool
+    tensors: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    quant: QuantConfig | None,
+    dtype: torch.dtype,
+    packed: bool,
+    device: torch.device,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, str]]:
     """Checkpoint tensors -> our state dict in the compute dtype.
 
-    Each GPTQ linear becomes Int4Linear buffers when `packed` and the kernel can take it, else a dense
+    Each GPTQ linear becomes Int4Linear buffers when `packed` and the device's kernel can take it, else a dense
     dequantized weight; a quantized tied embedding becomes the INT4 lm_head (whose rows are the
     embedding) or a dense table. Returns the state, the packed layers (name -> group size) and, for
     every quantized tensor left dense, the reason.
@@ -340,6 +346,7 @@ def _load_state(
         out_features, in_features = parts["scales"].shape[1], parts["g_idx"].shape[0]
         reason = (
             Int4Linear.unsupported(in_features, out_features, group_size, parts["g_idx"])
+            or (cuda_unsupported(in_features, out_features) if device.type == "cuda" else None)
             if packed
             else "dense weights chosen"
         )
@@ -439,8 +446,8 @@ def resolve_runtime(
 ) -> tuple[torch.device, torch.dtype, bool]:
     """(device, dtype, packed): the fastest path that keeps its promises, unless the caller chose.
 
-    Packed INT4 runs on the CPU kernel with bf16 activations; dense weights default to bf16 on CUDA
-    and fp32 on CPU (bf16 matmuls are not faster than fp32 on every CPU, and fp32 is the exact one).
+    Packed INT4 runs on PyTorch's CPU or CUDA kernel with bf16 activations; dense weights default to bf16
+    on CUDA and fp32 on CPU (bf16 matmuls are not faster than fp32 on every CPU, and fp32 is the exact one).
     """
     if weights not in WEIGHT_PATHS:
         raise ValueError(f"weights {weights!r} is not one of {WEIGHT_PATHS}")
@@ -455,10 +462,12 @@ def resolve_runtime(
     blocker = (
         "the model is not GPTQ-quantized"
         if quant is None
-        else f"the INT4 kernel runs on cpu, not {device.type}"
-        if device.type != "cpu"
+        else f"the INT4 kernels run on cpu and cuda, not {device.type}"
+        if device.type not in ("cpu", "cuda")
         else f"torch {torch.__version__} has no CPU INT4 kernel"
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        else _cuda_kernel_blocker(device)
+        if device.type == "cuda"
         else f"the INT4 kernel needs bfloat16 activations, not {dtype}"
         if dtype not in (None, INT4_KERNEL_DTYPE)
         else None
@@ -469,6 +478,24 @@ def resolve_runtime(
     if dtype is None:
         dtype = INT4_KERNEL_DTYPE if packed or device.type == "cuda" else torch.float32
     return device, dtype, packed
+
+
+def _cuda_kernel_blocker(device: torch.device) -> str | None:
+    """Why the CUDA INT4 kernel (tinygemm, tensor cores) cannot run on `device`, or None."""
+    if not torch.cuda.is_available():
+        return None  # the device check at start-up refuses this with its own message
+    major, minor = torch.cuda.get_device_capability(device)
+    return None if major >= 8 else f"the CUDA INT4 kernel needs compute capability 8.0 or newer, not {major}.{minor}"
+
+
+def _use_cuda_kernels(model: Transformer) -> None:
+    """Repack every Int4Linear of a model on a CUDA device for the CUDA kernel. A tied INT4 table is
+    first copied out as a dense embedding: the kernel's tiles cannot be read row by row."""
+    if model.embed_tokens is None:
+        model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.dense_weight().contiguous(), freeze=True)
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.use_cuda_kernel()
 
 
 @dataclass(frozen=True)
@@ -556,13 +583,13 @@ def load_weights(
     device, dtype, packed = resolve_runtime(device, dtype, weights, quant)
     tensors, origin = _read_safetensors(files)
     _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
-    state, int4_layers, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed)
+    state, int4_layers, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed, device)
     table_in_head = "embed_tokens.weight" not in state
     if quantize_lm_head and table_in_head:
         log.info("quantize_lm_head: the package's INT4 embedding table already is the lm_head")
     if quantize_lm_head and not table_in_head:
         if not packed:
-            raise ModelLoadError("quantize_lm_head needs the packed INT4 path (a GPTQ model on cpu with bf16)")
+            raise ModelLoadError("quantize_lm_head needs the packed INT4 path (a GPTQ model in bf16)")
         int4_layers["lm_head"] = _quantize_lm_head(state, cfg)
     model = _skeleton(cfg, int4_layers, table_in_head)
     model.load_state_dict(state, strict=True, assign=True)
@@ -585,4 +612,6 @@ def load_weights(
     card_path = model_dir / PACKAGE_MODEL_CARD
     model_card = _read_json(card_path) if card_path.exists() else {}
     model = model.to(device).eval().requires_grad_(False)
+    if packed and device.type == "cuda":
+        _use_cuda_kernels(model)
     return LoadedWeights(model, cfg, quant, lora, model_card)

@@ -1,4 +1,4 @@
-"""The GPTQ INT4 format and PyTorch's CPU INT4 kernel: one set of pure functions for writers and the runtime.
+"""The GPTQ INT4 format and PyTorch's INT4 kernels (CPU and CUDA): one set of pure functions for writers and the runtime.
 
 Per Linear with K inputs, N outputs and group size G, a GPTQ checkpoint holds qweight int32 [K/8, N]
 (packed along inputs), qzeros int32 [K/G, N/8] (packed along outputs), scales fp16 [K/G, N] and g_idx
@@ -127,7 +127,7 @@ def rtn_quantize(weight: torch.Tensor, group_size: int, sym: bool) -> dict[str, 
     return gptq_pack(*rtn_integers(weight, group_size, sym))
 
 
-INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU INT4 kernel accepts
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU and CUDA INT4 kernels accept
 INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations take a much slower one
 # The kernel is a matrix-vector one: its cost grows with every row, so for a prefill's many rows
 # unpacking the layer to bf16 and one dense matmul is faster (transformer.py decides which rows).
@@ -176,16 +176,43 @@ def _unpack_kernel_layout(packed: torch.Tensor, out_features: int, in_features: 
     return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(in_features, out_features)
 
 
-class Int4Linear(nn.Module):
-    """A GPTQ linear kept packed at 4 bits per weight and multiplied by PyTorch's CPU INT4 kernel.
+CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA kernel's tiles of 16 inputs per step: the largest that divides K
 
-    The kernel dequantizes W = (q - 8) * scale + offset per group, so GPTQ's scale * (q - zero) becomes
-    offset = scale * (8 - zero). Only plain group order (g_idx[k] = k // group_size) maps onto it.
+
+def nibble_pairs(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values (N, K) -> uint8 (N, K/2) with input 2i in the high nibble and 2i+1 in the low one: the
+    plain layout PyTorch's CUDA INT4 kernel (tinygemm) takes and tiles with _convert_weight_to_int4pack."""
+    return (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
+
+
+def unpack_nibble_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """Inverse of nibble_pairs: uint8 (N, K/2) -> int64 (N, K) values 0..15."""
+    return torch.stack([pairs >> 4, pairs & 0xF], dim=-1).flatten(-2).to(torch.int64)
+
+
+def cuda_unsupported(in_features: int, out_features: int) -> str | None:
+    """Why a layer cannot run on the CUDA kernel (beyond Int4Linear.unsupported), or None when it can. It is
+    repacked from the CPU layout, which reads back in blocks of 64 output rows."""
+    if in_features % (16 * CUDA_INNER_K_TILES[-1]):
+        return f"the CUDA INT4 kernel needs input features in multiples of 32, got {in_features}"
+    if out_features % 64 or not kernel_layout_is_known():
+        return f"the CUDA INT4 kernel is repacked from 64-row blocks: {out_features} output features"
+    return None
+
+
+class Int4Linear(nn.Module):
+    """A GPTQ linear kept packed at 4 bits per weight and multiplied by PyTorch's INT4 kernel: the CPU one,
+    or after use_cuda_kernel() the CUDA one (tinygemm).
+
+    Both kernels dequantize W = (q - 8) * scale + offset per group, so GPTQ's scale * (q - zero) becomes
+    offset = scale * (8 - zero), and both take the same (K/G, N, 2) scales_and_offsets. Only plain group
+    order (g_idx[k] = k // group_size) maps onto them.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.on_cuda_kernel = False
         self.dense_prefill = out_features % 64 == 0 and kernel_layout_is_known()
         self.register_buffer("packed_weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer(
@@ -214,6 +241,24 @@ class Int4Linear(nn.Module):
             return "act-order g_idx reorders groups"
         return None
 
+    def cpu_layout(self) -> torch.Tensor:
+        """packed_weight in the CPU kernel's layout, the only one that reads back."""
+        if self.on_cuda_kernel:
+            raise RuntimeError("this layer is tiled for the CUDA kernel: its weights no longer read back")
+        return self.packed_weight
+
+    def integers(self) -> torch.Tensor:
+        """The layer's 4-bit values (N, K)."""
+        return _unpack_kernel_layout(self.cpu_layout(), self.out_features, self.in_features).t()
+
+    def use_cuda_kernel(self) -> None:
+        """Repack a layer that sits on a CUDA device for the CUDA kernel. Its tiled layout cannot be read
+        back row by row, so dense_weight and rows (a tied table) are the CPU layout's alone."""
+        tiles = next(t for t in CUDA_INNER_K_TILES if self.in_features % (16 * t) == 0)
+        pairs = nibble_pairs(self.integers()).contiguous()
+        self.packed_weight = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+        self.on_cuda_kernel, self.dense_prefill = True, False
+
     def dense_weight(
         self, start: int = 0, stop: int | None = None, dtype: torch.dtype = INT4_KERNEL_DTYPE
     ) -> torch.Tensor:
@@ -222,7 +267,7 @@ class Int4Linear(nn.Module):
         tensor: the layout the kernel's bytes unpack to cheaply, and the one a prefill's x @ W^T wants."""
         K, G = self.in_features, self.group_size
         stop = self.out_features if stop is None else stop
-        centred = _unpack_kernel_layout(self.packed_weight[start:stop], stop - start, K).view(torch.int8) - 8
+        centred = _unpack_kernel_layout(self.cpu_layout()[start:stop], stop - start, K).view(torch.int8) - 8
         # Contiguous (K/G, 1, rows) scales: broadcasting the strided halves of scales_and_offsets is slower.
         scales, offsets = (
             t[:, start:stop].to(dtype).contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1)
@@ -234,7 +279,7 @@ class Int4Linear(nn.Module):
         """Rows `ids` (any shape) of the (N, K) weight, dequantized as dense_weight does: (*ids.shape, K).
         A tied INT4 lm_head serves as the embedding table this way, so one 4-bit copy does both jobs."""
         flat = ids.reshape(-1)
-        blocks = self.packed_weight.view(self.out_features // 64, self.in_features, 32)  # see _unpack_kernel_layout
+        blocks = self.cpu_layout().view(self.out_features // 64, self.in_features, 32)  # see _unpack_kernel_layout
         packed = blocks[flat // 64, :, flat % 32]  # (n, K) bytes holding each row's nibbles
         q = torch.where((flat % 64 < 32)[:, None], packed & 0xF, packed >> 4).view(len(flat), -1, self.group_size)
         scales, offsets = (t[:, flat].t()[..., None] for t in self.scales_and_offsets.unbind(dim=-1))  # (n, K/G, 1)
@@ -262,10 +307,11 @@ class Int4Linear(nn.Module):
             out = torch.cat([blockwise_matmul(dense, weight, DENSE_ROW_BLOCK) for weight in weights], dim=-1)
             parts.append(out.to(x.dtype))
         if dense_rows < x.shape[0]:
-            parts.append(
-                torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x[dense_rows:], self.packed_weight, self.group_size, self.scales_and_offsets
-                )
+            kernel = (
+                torch.ops.aten._weight_int4pack_mm
+                if self.on_cuda_kernel
+                else torch.ops.aten._weight_int4pack_mm_for_cpu
             )
+            parts.append(kernel(x[dense_rows:], self.packed_weight, self.group_size, self.scales_and_offsets))
         out = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*leading, self.out_features)
         return out + self.bias if self.bias is not None else out

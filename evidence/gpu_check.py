@@ -3,23 +3,25 @@ syncs as one captured graph per batch bucket, and how long does a draft take the
 
 1. Exactness on model/ (or --package): the CPU in fp32 (dense, the exact path) is the reference, and
    transformers' greedy generate() on --device in fp32 is checked against it. On --device: fp32 eager,
-   bf16 eager and bf16 compiled (torch.compile + CUDA graphs, one per batch bucket); greedy 16-token
-   drafts of the same prompts (lengths 1..1000) in one batch, again from the prefix cache, and each alone.
-   fp32 on the device must equal the CPU token for token (exit 1 otherwise); bf16 agreement is reported
-   (a near-tie may flip in bf16), and bf16 batch/alone and cached/cold equality.
+   bf16 eager, packed INT4 (PyTorch's CUDA INT4 kernel, bf16 activations) eager and compiled
+   (torch.compile + CUDA graphs, one per batch bucket); greedy 16-token drafts of the same
+   prompts (lengths 1..1000) in one batch, again from the prefix cache, and each alone.
+   fp32 on the device must equal the CPU token for token (exit 1 otherwise); bf16 and INT4 agreement is
+   reported (a near-tie may flip in bf16), and their batch/alone and cached/cold equality.
 2. The compiled loop: graphs built (one per batch bucket used), and host syncs inside the k-step loop,
    counted with torch.cuda.set_sync_debug_mode("error") around the loop (must be 0; the one transfer of
    the results after the loop is outside).
 3. Latency on the Qwen3-1.7B shape (a random package, evidence/make_random_package.py; random weights time
-   like trained ones) in bf16: ms per 16-token draft after a 512-token prompt at batch 1, 4 and 16,
-   eager and compiled, cold and as the harness' prefix-cached follow-up; medians of --repeats; peak GPU
-   memory. Goal: batch 1 compiled <= 12 ms (must: <= 21 ms), batch 16 <= 2x batch 1.
+   like trained ones): ms per 16-token draft after a 512-token prompt at batch 1, 4 and 16 for packed
+   INT4 compiled and eager and dense bf16 compiled, cold and as the harness' prefix-cached follow-up;
+   medians of --repeats; peak GPU memory. Goal: batch 1 compiled <= 12 ms (must: <= 21 ms), batch 16 <=
+   2x batch 1.
 
     bash evidence/gpu_check.sh                      # the same as: python evidence/gpu_check.py
     python evidence/gpu_check.py --device cuda --repeats 20 --json gpu_check.json
 
-It refuses to run without the device (exit 2). Expect 4-7 minutes, most of it writing the 1.7B package and
-compiling three batch buckets.
+It refuses to run without the device (exit 2). Expect 5-8 minutes, most of it writing the 1.7B package and
+compiling the batch buckets of three compiled paths (eight graphs).
 """
 
 import argparse
@@ -43,6 +45,8 @@ from evidence.bench_draft import ACCEPTED, DRAFT_TOKENS, SHAPES, Prompts, transf
 PROMPT_LENGTHS = (1, 7, 64, 300, 1000)
 LATENCY_GOAL_MS, LATENCY_MUST_MS = 12.0, 21.0
 LATENCY_BATCHES = (1, 4, 16)
+# (name, weights, compiled): the deployed path (INT4 compiled), what compiling buys, and dense bf16 beside it.
+LATENCY_PATHS = (("int4_compiled", "packed", True), ("int4_eager", "packed", False), ("bf16_compiled", "dequant", True))
 
 
 def synchronize(device: str) -> None:
@@ -60,13 +64,13 @@ def exactness(package: Path, device: str) -> dict:
     report = {}
     if torch.device(device).type != "cpu":  # on the CPU the test suite checks our fp32 against transformers
         report["transformers_fp32_equal_to_cpu"] = transformers_drafts(reference, package, device, rows) == expected
-    for name, dtype, compiled in (("float32", "float32", False), ("bfloat16", "bfloat16", False)) + (
-        (("bfloat16_compiled", "bfloat16", True),) if torch.device(device).type == "cuda" else ()
-    ):
-        drafter = draft_model.load_model(package, device, dtype, weights="dequant", cache_slots=16, compiled=compiled)
+    paths = [("float32", "float32", "dequant", False), ("bfloat16", "bfloat16", "dequant", False)]
+    paths.append(("packed", None, "packed", False))  # the default path: packed INT4 on the device's kernel, bf16
+    if torch.device(device).type == "cuda":
+        paths.append(("packed_compiled", None, "packed", True))
+    for name, dtype, weights, compiled in paths:
+        drafter = draft_model.load_model(package, device, dtype, weights=weights, cache_slots=16, compiled=compiled)
         report[name] = compare(drafter, rows, expected)
-    if torch.device(device).type == "cpu":  # the default path here: packed INT4 in bf16
-        report["packed"] = compare(draft_model.load_model(package, device, cache_slots=16), rows, expected)
     return report
 
 
@@ -158,25 +162,31 @@ def latency(device: str, repeats: int, scratch: Path, shape: str = "qwen3-1.7b")
         stdout=subprocess.DEVNULL,
     )
     report = {}
-    for mode in ("eager", "compiled"):
-        slots = 2 * max(LATENCY_BATCHES)
+    for name, weights, compiled in LATENCY_PATHS:
         drafter = draft_model.load_model(
-            package, device, "bfloat16", cache_slots=slots, max_context=1024, compiled=mode == "compiled"
+            package,
+            device,
+            "bfloat16",
+            weights=weights,
+            cache_slots=2 * max(LATENCY_BATCHES),
+            max_context=1024,
+            compiled=compiled,
         )
         prompts = Prompts(drafter.vocab_size, seed=2)
         if device.startswith("cuda"):
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         for batch, figures in time_batches(drafter, prompts, repeats).items():
-            report[f"{mode}_batch_{batch}"] = figures
-        if mode == "compiled":
-            report["graphs"] = sorted(drafter.decoder.steps)
+            report[f"{name}_batch_{batch}"] = figures
+        if compiled:
+            report[f"{name}_graphs"] = sorted(drafter.decoder.steps)
             if device.startswith("cuda"):
-                report["syncs_in_the_loop"] = syncs_in_the_loop(drafter, prompts.rows(4, 300))
+                report[f"{name}_syncs_in_the_loop"] = syncs_in_the_loop(drafter, prompts.rows(4, 300))
         if device.startswith("cuda"):
-            report[f"{mode}_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        report["weights"], report["weight_bytes"] = drafter.weights, drafter.weight_bytes()
+            report[f"{name}_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        report[f"{name}_weights"], report[f"{name}_weight_bytes"] = drafter.weights, drafter.weight_bytes()
+        del drafter
     report["goal_ms"], report["must_ms"] = LATENCY_GOAL_MS, LATENCY_MUST_MS
-    report["packed_int4_on_cuda"] = "not built: the loader refuses packed INT4 on CUDA; CUDA runs dense bf16"
     return report
 
 

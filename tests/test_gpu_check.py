@@ -20,5 +20,6 @@ def test_gpu_drafts_equal_cpu_drafts_and_latency_is_measured(tmp_path):
     report = gpu_check.main(["--device", "cuda", "--repeats", "3", "--json", str(tmp_path / "gpu.json")])
     assert report["exactness"]["float32"]["equal_to_cpu_fp32"]
     assert report["exactness"]["transformers_fp32_equal_to_cpu"]
-    assert report["latency_qwen3_1.7b_shape"]["syncs_in_the_loop"] == "0"
-    assert report["latency_qwen3_1.7b_shape"]["compiled_batch_1"]["cold_ms"] > 0
+    latency = report["latency_qwen3_1.7b_shape"]
+    assert latency["int4_compiled_syncs_in_the_loop"] == latency["bf16_compiled_syncs_in_the_loop"] == "0"
+    assert latency["int4_compiled_weights"] == "packed" and latency["int4_compiled_batch_1"]["cold_ms"] > 0
