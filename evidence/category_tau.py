@@ -5,9 +5,9 @@ draft-and-verify loop can be replayed from the target's greedy continuation alon
 model drafter): at each verify step the context is the prompt plus the continuation so far, the drafter
 proposes up to k tokens, the accepted run is the number of leading proposals equal to the continuation,
 and the step commits the run plus the bonus token. A model drafter's run is its consecutive teacher-
-forced argmax matches (one forward pass per sequence); prompt lookup (the n-gram baseline: the last 3, 2
-or 1 tokens) and hybrid drafting (prompt lookup when the context ends in a repeat of at least --hybrid
-tokens, else the model; draft_model.draft_batch's rule) are replayed from the context itself. The counts
+forced argmax matches (one forward pass per sequence); prompt lookup (measure_tau.py's n-gram baseline)
+and hybrid drafting (prompt lookup when the context ends in a repeat of at least --hybrid tokens, else the
+model; draft_model.draft_batch's rule) are replayed from the context itself. The counts
 equal measure_tau.py's live harness on the same continuations (tests/test_measure_tau.py).
 
 Reads: DATA (gen_data.py shards of the measurement prompts, e.g. MT-bench with --holdout-fraction 1 and
@@ -31,10 +31,9 @@ import torch
 import draft_model
 from evidence import common
 from evidence.gen_data import load_examples
+from evidence.measure_tau import ngram_drafter
 from evidence.packages import load_any_model
 from evidence.tau import teacher_forced_argmax
-
-NGRAM_MAX = 3  # measure_tau.py's n-gram baseline: the last 3, 2 or 1 tokens
 
 # A proposer: (context, position in the continuation, most tokens) -> the proposed tokens.
 Proposer = Callable[[list[int], int, int], list[int]]
@@ -71,7 +70,8 @@ def model_proposer(matches: list[bool], continuation: list[int]) -> Proposer:
 
 
 def ngram_proposer(context: list[int], position: int, most: int) -> list[int]:
-    return draft_model.prompt_lookup(context, most, min_match=1, max_match=NGRAM_MAX)
+    """measure_tau.py's n-gram baseline, as a proposer."""
+    return ngram_drafter(context, most)
 
 
 def hybrid_proposer(model: Proposer, min_match: int) -> Proposer:
