@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = tuple(name for names in checkpoint.PROJECTIONS.values() for name in names)  # q_proj .. down_proj
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32"}
 BYTES_PER_ELEMENT = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4}
 LORA_PREFIX = "base_model.model."  # PEFT's key prefix for the wrapped model

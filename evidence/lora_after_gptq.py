@@ -29,11 +29,10 @@ import checkpoint
 import package_manifest
 from evidence import common
 from evidence.gen_data import load_examples
+from evidence.inventory import PROJECTIONS
 from evidence.packages import dequantized_model
 from evidence.tau import offline_tau
 from evidence.train_drafter import TrainSettings, add_train_arguments, settings_from_args, train
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> torch.nn.Module:

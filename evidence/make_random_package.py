@@ -36,10 +36,6 @@ import draft_model
 import int4
 import package_manifest
 
-PROJECTIONS = {
-    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
-}
 QWEN3_BOS, QWEN3_EOS = 151643, 151645  # <|endoftext|>, <|im_end|>
 
 
@@ -165,7 +161,7 @@ def write_package(directory: Path, args: argparse.Namespace, command: str) -> No
                 "r": args.lora_rank,
                 "lora_alpha": 2 * args.lora_rank,
                 "lora_dropout": 0.0,
-                "target_modules": [p for group in PROJECTIONS.values() for p in group],
+                "target_modules": [module.rpartition(".")[2] for module in projection_shapes(config)],
                 "bias": "none",
                 "fan_in_fan_out": False,
                 "use_rslora": False,
