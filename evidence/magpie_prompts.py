@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from evidence import common
-from evidence.prepare_prompts import PromptCollector, load_tokenizer
+from evidence.prepare_prompts import PromptCollector, add_template_arguments, load_tokenizer
 
 SOURCE = "magpie"
 SENTINEL = "\x00MAGPIE_USER_TURN\x00"
@@ -181,15 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--teacher", required=True, help="the target model: directory or hub id")
     parser.add_argument("--teacher-revision", default=None)
-    parser.add_argument("--tokenizer", required=True, help="the target's tokenizer: directory or hub id")
-    parser.add_argument("--tokenizer-revision", default=None)
-    parser.add_argument(
-        "--enable-thinking",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Qwen3 chat template thinking mode (default off)",
-    )
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    add_template_arguments(parser)
     parser.add_argument(
         "--categories", type=Path, default=None, help="JSON: category -> system message and openers (steered rounds)"
     )

@@ -190,6 +190,12 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lock", action="store_true", help="resolve unlocked sources on the hub and record their pins in the manifest"
     )
+    add_template_arguments(parser)
+    parser.add_argument("--out", type=Path, required=True, help="prompts.jsonl to write")
+
+
+def add_template_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tokenizer and chat-template flags of every script that templates prompts (PromptCollector's settings)."""
     parser.add_argument("--tokenizer", required=True, help="the target's tokenizer: directory or hub id")
     parser.add_argument("--tokenizer-revision", default=None)
     parser.add_argument(
@@ -199,7 +205,6 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
         help="Qwen3 chat template thinking mode (default off)",
     )
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
-    parser.add_argument("--out", type=Path, required=True, help="prompts.jsonl to write")
 
 
 def source_paths(args: argparse.Namespace, name: str, logger) -> tuple[dict, list[Path]]:
