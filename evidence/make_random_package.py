@@ -64,11 +64,13 @@ def qwen3_config(args: argparse.Namespace) -> dict:
     }
 
 
-def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of every projection, keyed by its module name in a layer."""
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    q_width = config["num_attention_heads"] * config["head_dim"]
-    kv_width = config["num_key_value_heads"] * config["head_dim"]
+def projection_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of every projection of one decoder layer, keyed by its module name in the
+    layer (self_attn.q_proj); head_dim defaults to hidden_size / num_attention_heads, as in transformers."""
+    hidden, inner = hf_config["hidden_size"], hf_config["intermediate_size"]
+    head_dim = hf_config.get("head_dim") or hidden // hf_config["num_attention_heads"]
+    q_width = hf_config["num_attention_heads"] * head_dim
+    kv_width = hf_config["num_key_value_heads"] * head_dim
     return {
         "self_attn.q_proj": (q_width, hidden),
         "self_attn.k_proj": (kv_width, hidden),

@@ -17,6 +17,7 @@ import torch
 import int4
 from evidence import common
 from evidence.inventory import PROJECTIONS, compact, package_inventory
+from evidence.make_random_package import projection_shapes
 
 
 @dataclass
@@ -48,33 +49,17 @@ def base_shape(config: dict, base_dir: Path | None, architecture: dict) -> tuple
     return section["model"], f"architecture record (base {repo})"
 
 
-def projection_inputs(shape: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each projection of one decoder layer."""
-    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-
-
 def quantization_checks(shape: dict, gptq: dict) -> list[Check]:
     group = gptq.get("group_size", 128)
-    shapes = projection_inputs(shape)
-    bad_in = sorted({i for i, _ in shapes.values() if i % group})
-    bad_out = sorted({o for _, o in shapes.values() if o % 16})
+    shapes = projection_shapes(shape)  # (out, in) features
+    bad_in = sorted({i for _, i in shapes.values() if i % group})
+    bad_out = sorted({o for o, _ in shapes.values() if o % 16})
     reorders = gptq.get("act_order") and not gptq.get("static_groups")
     checks = [
         Check(
             "group size divides every projection's inputs",
             not bad_in,
-            f"group {group}; inputs {sorted({i for i, _ in shapes.values()})}",
+            f"group {group}; inputs {sorted({i for _, i in shapes.values()})}",
         ),
         Check(
             "outputs pack into int32 qzeros and the kernel's blocks",
@@ -105,7 +90,7 @@ def lora_checks(shape: dict, lora: dict) -> list[Check]:
     targets = lora.get("target_modules", list(PROJECTIONS))
     unknown = sorted(set(targets) - set(PROJECTIONS))
     rank = lora.get("rank", 16)
-    smallest = min(min(pair) for pair in projection_inputs(shape).values())
+    smallest = min(min(pair) for pair in projection_shapes(shape).values())
     return [
         Check(
             "LoRA targets are projections",
