@@ -103,6 +103,13 @@ def speculative_generate(
 @torch.inference_mode()
 def target_greedy(target: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """The target alone: transformers greedy generate() with its KV cache (the reference output)."""
+    return greedy_generate(target, prompt, max_new_tokens, eos_ids)
+
+
+def greedy_generate(
+    target: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos_ids: set[int], **options
+) -> list[int]:
+    """The continuation transformers' greedy generate() gives `prompt`; `options` go to generate()."""
     stop = sorted(eos_ids) or None  # a target without eos ids generates max_new_tokens every time
     output = target.generate(
         torch.tensor([prompt]),
@@ -111,6 +118,7 @@ def target_greedy(target: torch.nn.Module, prompt: list[int], max_new_tokens: in
         do_sample=False,
         eos_token_id=stop,
         pad_token_id=stop[0] if stop else None,
+        **options,
     )
     return output[0, len(prompt) :].tolist()
 
@@ -132,21 +140,11 @@ def assisted_generate(
     assistant.generation_config.assistant_confidence_threshold = 0.0  # no early stop: k candidates, like ours
     calls = [0]
     hook = target.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
-    stop = sorted(eos_ids) or None
     started = time.perf_counter()
     try:
-        output = target.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            assistant_model=assistant,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=stop,
-            pad_token_id=stop[0] if stop else None,
-        )
+        continuation = greedy_generate(target, prompt, max_new_tokens, eos_ids, assistant_model=assistant)
     finally:
         hook.remove()
-    continuation = output[0, len(prompt) :].tolist()
     run.total_seconds += time.perf_counter() - started
     run.committed += len(continuation)
     run.verify_steps += calls[0]
