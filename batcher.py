@@ -45,7 +45,7 @@ class PendingDraft:
     taken: bool = False  # in a batch the worker is drafting: past the point where the deadline can refuse it
 
 
-# draft_fn(requests) -> one Draft per request, in order (draft_requests bound to a drafter).
+# What the worker thread runs on a batch: one Draft per request, in order (the server's: draft_requests on its drafter).
 DraftFn = Callable[[list[DraftRequest]], list[draft_model.Draft]]
 
 
