@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import engine
+import int4
 from checkpoint import DEFAULT_MAX_CONTEXT, LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
@@ -172,6 +173,17 @@ class Drafter:
                 state[hf_name(f"{parent}.{part}.{leaf}")] = piece
         return state
 
+    def kernel(self) -> dict:
+        """How the model's linear layers multiply: the kernel's name (int4.CPU_KERNELS on the CPU), what it
+        does, and on the CPU the instruction sets it was chosen for."""
+        dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
+        if self.device.type != "cpu":
+            name = "cuda-int4" if self.weights == "packed" else f"dense-{dtype}"
+            return {"name": name, "what": f"on {self.device.type}"}
+        name = "int4pack" if self.weights == "packed" else f"dense-{dtype}"
+        known = int4.CPU_KERNELS.get(name)
+        return {"name": name, "what": known.what if known else "dense weights", "cpu": int4.cpu_description()}
+
     def describe(self) -> dict:
         """JSON-ready identity and limits (the server's /health)."""
         return {
@@ -186,6 +198,7 @@ class Drafter:
             "dtype": str(self.dtype).removeprefix("torch."),
             "decode": {"compiled": self.decoder.compiled, "batch_buckets": list(self.decoder.buckets)},
             "weights": self.weights,
+            "kernel": self.kernel(),
             "weight_bytes": self.weight_bytes(),
             "max_context": self.max_context,
             "cache_slots": self.cache.num_slots,

@@ -13,6 +13,7 @@ group), `quantize` (values onto a grid) and `dequantize` (integers back to weigh
 """
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -133,6 +134,8 @@ INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations take a muc
 # unpacking the layer to bf16 and one dense matmul is faster (transformer.py decides which rows).
 DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the kernel's 64-row blocks)
 DENSE_ROW_BLOCK = 64  # input rows per unpacked matmul: a prefill's dense rows come in chunks of 64
+KERNEL_ROWS = 4  # rows per CPU kernel call on a large layer (see Int4Linear.kernel)
+LARGE_LAYER_BYTES = 8 * 2**20  # packed bytes from which a layer counts as large
 
 
 def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
@@ -147,15 +150,82 @@ def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tens
     return torch.cat([part @ b for part in a.split(block, dim=-2)], dim=-2)[..., :rows, :]
 
 
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")  # what the choice reads
+BF16_HARDWARE = ("avx512_bf16", "amx_bf16")  # a CPU that multiplies bf16 in hardware has one of these
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction sets of this CPU that the kernel choice reads (/proc/cpuinfo; none where it is absent)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return frozenset(flags) & frozenset(KERNEL_FLAGS)
+
+
+def cpu_description() -> str:
+    """What this CPU offers the kernels, in words: its flags and the SIMD level torch dispatches to."""
+    flags = ", ".join(f for f in KERNEL_FLAGS if f in cpu_flags()) or "none of " + ", ".join(KERNEL_FLAGS)
+    return f"{flags} (torch dispatches {torch.backends.cpu.get_cpu_capability()})"
+
+
+@dataclass(frozen=True)
+class CpuKernel:
+    """One way to multiply a GPTQ model's INT4 layers on the CPU: the weights it keeps and its compute dtype."""
+
+    weights: str  # "packed" (4-bit, PyTorch's INT4 kernel) or "dequant" (dense, dequantized once at load)
+    dtype: torch.dtype
+    needs: tuple[str, ...]  # CPU flags, any one of which it needs (empty: any CPU)
+    what: str
+
+
+CPU_KERNELS = {
+    "int4pack": CpuKernel(
+        "packed",
+        torch.bfloat16,
+        (),
+        "PyTorch's INT4 matrix-vector kernel for decode rows (4-bit weights read once per few rows); a prefill's "
+        "complete chunks multiply the layer unpacked per call (bf16 where the CPU has bf16 hardware, else fp32)",
+    ),
+    "dense-bf16": CpuKernel(
+        "dequant",
+        torch.bfloat16,
+        BF16_HARDWARE,
+        "weights dequantized once at load to bf16 (LoRA merged, 3x the memory of INT4): every row a dense bf16 "
+        "matmul, which hardware bf16 (AMX above all) runs for many rows at the cost of one",
+    ),
+    "dense-fp32": CpuKernel(
+        "dequant", torch.float32, (), "weights dequantized once at load to fp32 (LoRA merged, 6x the memory): exact"
+    ),
+}
+
+
+def choose_cpu_kernel(name: str) -> str:
+    """The kernel `name` ("auto" or one of CPU_KERNELS) stands for on this CPU. auto: dense bf16 where AMX
+    multiplies bf16 tiles (there a dense matmul over many rows beats the INT4 kernel's matrix-vector
+    products), else int4pack. Raises ValueError, one line, for an unknown name or a kernel this CPU lacks."""
+    if name == "auto":
+        return "dense-bf16" if "amx_bf16" in cpu_flags() else "int4pack"
+    if name not in CPU_KERNELS:
+        raise ValueError(f"unknown INT4 kernel {name!r}; choose one of auto, {', '.join(CPU_KERNELS)}")
+    needs = CPU_KERNELS[name].needs
+    if needs and not set(needs) & cpu_flags():
+        raise ValueError(
+            f"the INT4 kernel {name} needs a CPU with {' or '.join(needs)}; this CPU has {cpu_description()}; "
+            f"choose int4pack or dense-fp32"
+        )
+    return name
+
+
 @functools.cache
 def dense_matmul_dtype() -> torch.dtype:
     """The dtype a prefill's unpacked matmuls run in: bf16 where the CPU multiplies bf16 in hardware (AMX or
     AVX512-BF16), else fp32, since oneDNN's emulated bf16 matmul is slower than fp32 there."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    if not Path("/proc/cpuinfo").exists():
         return INT4_KERNEL_DTYPE
-    return INT4_KERNEL_DTYPE if "amx_bf16" in flags or "avx512_bf16" in flags else torch.float32
+    return INT4_KERNEL_DTYPE if set(BF16_HARDWARE) & cpu_flags() else torch.float32
 
 
 @functools.cache
@@ -260,20 +330,32 @@ class Int4Linear(nn.Module):
         self.on_cuda_kernel, self.dense_prefill = True, False
 
     def dense_weight(
-        self, start: int = 0, stop: int | None = None, dtype: torch.dtype = INT4_KERNEL_DTYPE
+        self,
+        start: int = 0,
+        stop: int | None = None,
+        dtype: torch.dtype = INT4_KERNEL_DTYPE,
+        lora: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Rows start..stop-1 (multiples of 64; default all) of the (N, K) weight the kernel multiplies by,
         (q - 8) * scale + offset per group, in `dtype`, as the transposed view of a contiguous (K, rows)
-        tensor: the layout the kernel's bytes unpack to cheaply, and the one a prefill's x @ W^T wants."""
+        tensor: the layout the kernel's bytes unpack to cheaply, and the one a prefill's x @ W^T wants.
+
+        lora: an adapter's fp32 (A (r, K), B (N, r)), scale folded into B, merged as W + B A in fp32 and
+        rounded once to `dtype`, so the rows multiplied by this weight need no side matmuls."""
         K, G = self.in_features, self.group_size
         stop = self.out_features if stop is None else stop
+        unpack_dtype = torch.float32 if lora is not None else dtype
         centred = _unpack_kernel_layout(self.cpu_layout()[start:stop], stop - start, K).view(torch.int8) - 8
         # Contiguous (K/G, 1, rows) scales: broadcasting the strided halves of scales_and_offsets is slower.
         scales, offsets = (
-            t[:, start:stop].to(dtype).contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1)
+            t[:, start:stop].to(unpack_dtype).contiguous()[:, None] for t in self.scales_and_offsets.unbind(dim=-1)
         )
-        weight = torch.addcmul(offsets, centred.view(K // G, G, stop - start).to(dtype), scales)
-        return weight.view(K, stop - start).t()
+        weight = torch.addcmul(offsets, centred.view(K // G, G, stop - start).to(unpack_dtype), scales)
+        weight = weight.view(K, stop - start)
+        if lora is not None:
+            lora_A, lora_B = lora
+            weight = weight.addmm_(lora_A.t(), lora_B[start:stop].t()).to(dtype)  # (K, r) @ (r, rows)
+        return weight.t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) of the (N, K) weight, dequantized as dense_weight does: (*ids.shape, K).
@@ -286,9 +368,12 @@ class Int4Linear(nn.Module):
         weights = torch.addcmul(offsets, q.to(INT4_KERNEL_DTYPE) - 8, scales)
         return weights.reshape(*ids.shape, self.in_features)
 
-    def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
-        """x (N, in) -> (N, out): rows 0..dense_rows-1 through the unpacked weight, the rest through the kernel
-        (any leading dimensions are flattened into N).
+    def forward(
+        self, x: torch.Tensor, dense_rows: int = 0, lora: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """x (N, in) -> (N, out): rows 0..dense_rows-1 through the unpacked weight (with `lora`, an adapter
+        merged into it: see dense_weight), the rest through the kernel (leading dimensions are flattened
+        into N). A caller passing `lora` sends only dense rows.
 
         Each row's result depends only on the row and on which of the two ways it takes: the kernel and
         the dense matmul both compute a row independently of how many others share the call."""
@@ -303,15 +388,27 @@ class Int4Linear(nn.Module):
             dtype = dense_matmul_dtype()
             dense = x[:dense_rows].to(dtype)
             stops = [min(b + DENSE_PREFILL_BLOCK, self.out_features) for b in blocks]
-            weights = [self.dense_weight(b, stop, dtype).t() for b, stop in zip(blocks, stops)]  # (K, rows) each
+            weights = [self.dense_weight(b, stop, dtype, lora).t() for b, stop in zip(blocks, stops)]  # (K, rows) each
             out = torch.cat([blockwise_matmul(dense, weight, DENSE_ROW_BLOCK) for weight in weights], dim=-1)
             parts.append(out.to(x.dtype))
         if dense_rows < x.shape[0]:
-            kernel = (
-                torch.ops.aten._weight_int4pack_mm
-                if self.on_cuda_kernel
-                else torch.ops.aten._weight_int4pack_mm_for_cpu
-            )
-            parts.append(kernel(x[dense_rows:], self.packed_weight, self.group_size, self.scales_and_offsets))
+            parts.append(self.kernel(x[dense_rows:]))
         out = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*leading, self.out_features)
         return out + self.bias if self.bias is not None else out
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, in) -> (M, out) on the INT4 kernel. A large layer (an lm_head over the vocabulary) takes its
+        rows KERNEL_ROWS at a time: the CPU kernel streams the weight once per few rows, and beyond that the
+        weight falls out of cache (measured: 8 rows of a 151,936 x 512 head cost 2.6x four rows, two calls of
+        four 2x). The rows are independent either way."""
+        if self.on_cuda_kernel:
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed_weight, self.group_size, self.scales_and_offsets)
+        multiply = functools.partial(
+            torch.ops.aten._weight_int4pack_mm_for_cpu,
+            mat2=self.packed_weight,
+            qGroupSize=self.group_size,
+            qScaleAndZeros=self.scales_and_offsets,
+        )
+        if x.shape[0] <= KERNEL_ROWS or self.packed_weight.numel() < LARGE_LAYER_BYTES:
+            return multiply(x)
+        return torch.cat([multiply(rows) for rows in x.split(KERNEL_ROWS)])

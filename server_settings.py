@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 import draft_model
+import int4
 import package_manifest
 import planning
 
@@ -106,6 +107,13 @@ class ServerSettings:
         "auto",
         choices=checkpoint.WEIGHT_PATHS,
     )
+    int4_kernel: str = setting(
+        "how GPTQ INT4 layers are multiplied on the CPU: int4pack (PyTorch's INT4 kernel; 4-bit weights), "
+        "dense-bf16 (dequantized once to bf16; needs AVX512-BF16 or AMX), dense-fp32 (dequantized once to fp32); "
+        "auto: dense-bf16 where the CPU has AMX, else int4pack. A forced kernel sets --weights and --dtype",
+        "auto",
+        choices=("auto", *int4.CPU_KERNELS),
+    )
     compile: str = setting(
         "decode with a step compiled once per batch bucket (torch.compile; replayed as a CUDA graph on cuda), "
         "built at start-up; auto: on for cuda, off for cpu (there it takes minutes per bucket at start-up for a "
@@ -168,6 +176,31 @@ class ServerSettings:
                 "each batch needs a slot per row plus slots that keep earlier prefixes for reuse; "
                 "raise --cache-slots or lower --max-batch-size"
             )
+
+        self._apply_int4_kernel()
+
+    def _apply_int4_kernel(self) -> None:
+        """Check --int4-kernel on this CPU and turn a forced kernel into --weights and --dtype (what load_model
+        takes): one that contradicts an explicit --weights or --dtype, or that this CPU lacks, is refused. auto
+        is left to load_model, which makes the same choice. On cuda the CUDA INT4 kernel runs: auto only."""
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+        if not on_cpu:
+            if self.int4_kernel != "auto":
+                raise ConfigError(f"--int4-kernel {self.int4_kernel}: CPU kernels only; on cuda leave it at auto")
+            return
+        try:
+            name = int4.choose_cpu_kernel(self.int4_kernel)
+        except ValueError as error:
+            raise ConfigError(f"--int4-kernel: {error}") from None
+        kernel = int4.CPU_KERNELS[name]
+        dtype = str(kernel.dtype).removeprefix("torch.")
+        if self.int4_kernel != "auto":
+            for flag, value, wanted in (("--weights", self.weights, kernel.weights), ("--dtype", self.dtype, dtype)):
+                if value not in ("auto", wanted):
+                    raise ConfigError(f"--int4-kernel {name} runs {flag} {wanted}, not {value}; leave {flag} at auto")
+        if self.int4_kernel != "auto":  # auto stays auto: checkpoint.resolve_runtime applies the same choice
+            object.__setattr__(self, "weights", kernel.weights)
+            object.__setattr__(self, "dtype", dtype)
 
     @property
     def compiled(self) -> bool:
@@ -260,7 +293,9 @@ def startup_summary(identity: dict, settings: ServerSettings, load_seconds: floa
         f"loaded {identity['name']} from {settings.model_dir} in {load_seconds:.2f} s: {identity['architecture']}, "
         f"{identity['num_layers']} layers, vocab {identity['vocab_size']}, {quant_text}, "
         f"lora r={identity['lora_rank']}, {random_text}integrity {integrity}, device {identity['device']}, "
-        f"dtype {identity['dtype']}, weights {identity['weights']}, max_context {identity['max_context']}, "
+        f"dtype {identity['dtype']}, weights {identity['weights']}, kernel {identity['kernel']['name']}"
+        f"{' on a CPU with ' + identity['kernel']['cpu'] if 'cpu' in identity['kernel'] else ''}, "
+        f"max_context {identity['max_context']}, "
         f"cache_slots {identity['cache_slots']}, max_batch_size {settings.max_batch_size}, "
         f"threads {torch.get_num_threads()}, auth {'on' if settings.api_key else 'off'}"
     )

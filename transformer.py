@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from int4 import Int4Linear, blockwise_matmul
+from int4 import DENSE_ROW_BLOCK, Int4Linear, blockwise_matmul
 from kv_cache import KVCache
 from planning import CHUNK
 
@@ -83,13 +83,21 @@ MIN_MATMUL_ROWS = 16
 def project(layer: nn.Module, x: torch.Tensor, dense_rows: int) -> torch.Tensor:
     """x (N, in) -> (N, out) through any of the model's linear kinds."""
     if isinstance(layer, nn.Linear):
-        return row_invariant_linear(x, layer.weight, layer.bias)
+        return row_invariant_linear(x, layer.weight, layer.bias, dense_rows)
     return layer(x, dense_rows)
 
 
-def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose rows do not depend on how many rows x (N, in) has."""
-    out = blockwise_matmul(x, weight.t(), MIN_MATMUL_ROWS)
+def row_invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_rows: int = 0
+) -> torch.Tensor:
+    """F.linear whose rows do not depend on how many rows x (N, in) has. The first dense_rows rows (a prefill's
+    complete chunks) go DENSE_ROW_BLOCK at a time, which a matmul runs faster per row than the rest's blocks of
+    MIN_MATMUL_ROWS; a row takes one or the other by its place in its sequence, never by its batch."""
+    if 0 < dense_rows:
+        rest = [blockwise_matmul(x[dense_rows:], weight.t(), MIN_MATMUL_ROWS)] if dense_rows < x.shape[0] else []
+        out = torch.cat([blockwise_matmul(x[:dense_rows], weight.t(), DENSE_ROW_BLOCK), *rest])
+    else:
+        out = blockwise_matmul(x, weight.t(), MIN_MATMUL_ROWS)
     return out if bias is None else out + bias
 
 
@@ -105,9 +113,21 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(lora_B.float() * scale, requires_grad=False)  # (out, r), the scale folded in
 
     def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        if dense_rows and isinstance(self.base, Int4Linear) and self.base.dense_prefill:
+            # A complete chunk's rows multiply an unpacked weight anyway: the adapter is merged into it (once
+            # per call, not per row), which costs a prefill far less than side matmuls over every row.
+            dense = self.base(x[:dense_rows], dense_rows, lora=(self.lora_A, self.lora_B))
+            return dense if dense_rows == x.shape[0] else torch.cat([dense, self.with_side(x[dense_rows:], 0)])
+        return self.with_side(x, dense_rows)
+
+    def with_side(self, x: torch.Tensor, dense_rows: int) -> torch.Tensor:
         # The side matmuls run in the adapter's fp32: a rank-r bf16 GEMM pays oneDNN's bf16 set-up,
-        # which dominates such small products, and the adapter was trained in fp32.
-        side = row_invariant_linear(row_invariant_linear(x.float(), self.lora_A), self.lora_B)
+        # which dominates such small products, and the adapter was trained in fp32. Both take the same
+        # MIN_MATMUL_ROWS-row blocks as row_invariant_linear, padded once (x A^T of a zero row is zero).
+        rows = x.shape[0]
+        padded = F.pad(x.float(), (0, 0, 0, -rows % MIN_MATMUL_ROWS))
+        blocks = [block @ self.lora_A.t() @ self.lora_B.t() for block in padded.split(MIN_MATMUL_ROWS)]
+        side = (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:rows]
         return project(self.base, x, dense_rows).add_(side)  # added in fp32, rounded once to the base's dtype
 
     def merge(self) -> nn.Linear:
@@ -262,38 +282,38 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     """Causal attention of a few queries per row, exact whatever the window: q (G, T, H, D) at positions (G, T)
     over keys, values (G, H_kv, W, D) with W a multiple of KEY_BLOCK -> (G, T, H, D), in fp32 math.
 
-    The keys are taken KEY_BLOCK at a time: each block's scores, maximum, exponentials, sum and weighted values
-    are fixed-shape products of MIN_MATMUL_ROWS query rows, and the blocks are combined by a running
-    (cumulative) sum read at the query's own last block. So a query's result depends only on its own keys up
-    to its position: not on the window (the blocks after its own are never added in), nor on the other
-    queries or rows of the call. A decode step (T = 1, a row per sequence) and a prefill's last chunk (G = 1)
-    give the same bits for the same token, which lets the cache reuse either. No SDPA backend is involved:
-    on CUDA an explicit mask with GQA would fall back to its math kernel."""
+    Each query is its own set of products: its `group` heads sharing a kv head, against KEY_BLOCK keys at a
+    time, always the same (group, D) x (D, KEY_BLOCK) shape whatever T, G or W. Each block's scores, maximum,
+    exponentials, sum and weighted values are combined by a running (cumulative) sum read at the query's own
+    last block. So a query's result depends only on its own keys up to its position: not on the window (the
+    blocks after its own are never added in), nor on the other queries or rows of the call. A decode step
+    (T = 1, a row per sequence) and a prefill's last chunk (G = 1) give the same bits for the same token,
+    which lets the cache reuse either. No query rows are padding, so a decode step computes only its own
+    heads. No SDPA backend is involved: on CUDA an explicit mask with GQA would fall back to its math kernel."""
     G, T, H, D = q.shape
     H_kv, W = keys.shape[1], keys.shape[2]
     group, blocks = H // H_kv, W // KEY_BLOCK
-    rows = T * group  # query rows per kv head
-    tiles = -(-rows // MIN_MATMUL_ROWS)
-    pad = tiles * MIN_MATMUL_ROWS - rows
-    grouped = q.float().view(G, T, H_kv, group, D).transpose(1, 2).reshape(G, H_kv, rows, D)
-    grouped = F.pad(grouped, (0, 0, 0, pad)).view(G, H_kv, tiles, 1, MIN_MATMUL_ROWS, D)
-    row_positions = positions[:, :, None].expand(G, T, group).reshape(G, rows)
-    row_positions = F.pad(row_positions, (0, pad), value=-1).view(G, 1, tiles, 1, MIN_MATMUL_ROWS, 1)
-    k = keys.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D)
-    v = values.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D)
+    products = (G, H_kv, T, blocks)  # one (group, D) x (D, KEY_BLOCK) product each
+    # Every operand laid out contiguously, whatever the strides of q (a view of the fused projection) and
+    # whatever T: batched matmul may take another code path, with other bits, for other layouts.
+    grouped = q.float().view(G, T, H_kv, group, D).transpose(1, 2)[:, :, :, None]  # (G, H_kv, T, 1, group, D)
+    grouped = grouped.expand(*products, group, D).contiguous().view(-1, group, D)
+    k = keys.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D).expand(*products, KEY_BLOCK, D).contiguous()
+    v = values.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D).expand(*products, KEY_BLOCK, D).contiguous()
+    row_positions = positions.view(G, 1, T, 1, 1, 1)
     key_positions = torch.arange(W, device=q.device).view(blocks, 1, KEY_BLOCK)
-    scores = (grouped @ k.transpose(-1, -2)).mul_(D**-0.5)  # (G, H_kv, tiles, blocks, rows of a tile, KEY_BLOCK)
+    scores = torch.bmm(grouped, k.view(-1, KEY_BLOCK, D).transpose(1, 2)).mul_(D**-0.5)
+    scores = scores.view(*products, group, KEY_BLOCK)
     scores = scores.masked_fill_(key_positions > row_positions, float("-inf"))  # also hides unwritten memory
-    block_max = scores.amax(dim=-1, keepdim=True)  # (..., rows of a tile, 1)
+    block_max = scores.amax(dim=-1, keepdim=True)  # (..., group, 1)
     probs = (scores - block_max).exp_()
     block_sum = probs.sum(dim=-1, keepdim=True)
-    block_out = probs @ v  # (..., rows of a tile, D)
+    block_out = torch.bmm(probs.view(-1, group, KEY_BLOCK), v.view(-1, KEY_BLOCK, D)).view(*products, group, D)
     weight = (block_max - block_max.amax(dim=3, keepdim=True)).exp_()  # each block's share of the softmax
-    last = (row_positions // KEY_BLOCK).clamp_(min=0).expand(G, H_kv, tiles, 1, MIN_MATMUL_ROWS, 1)
+    last = (row_positions // KEY_BLOCK).clamp_(min=0).expand(G, H_kv, T, 1, group, 1)
     total = (weight * block_sum).cumsum(dim=3).gather(3, last)
     out = (weight * block_out).cumsum(dim=3).gather(3, last.expand(*last.shape[:-1], D)).div_(total)
-    out = out.view(G, H_kv, tiles * MIN_MATMUL_ROWS, D)[:, :, :rows]
-    return out.reshape(G, H_kv, T, group, D).transpose(1, 2).reshape(G, T, H, D).to(q.dtype)
+    return out.view(G, H_kv, T, group, D).transpose(1, 2).reshape(G, T, H, D).to(q.dtype)
 
 
 class Attention(nn.Module):

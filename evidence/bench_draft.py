@@ -29,15 +29,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 import transformers
+from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import draft_model  # noqa: E402
+import engine  # noqa: E402
 import int4  # noqa: E402
+import transformer  # noqa: E402
 
 SHAPES = {  # make_random_package.py flags; real Qwen3 vocabulary, tied embeddings, group 128
     "qwen3-180m": "--hidden-size 512 --intermediate-size 2048 --layers 24 --heads 8 --kv-heads 4 --head-dim 64",
@@ -138,30 +142,155 @@ def agreement(
     return same / total
 
 
-def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
+class PartTimer:
+    """Where one draft_batch call's time goes: the wall time of each part of our forward, by phase.
+
+    Forward hooks on the model's modules record each module's self time (its time less that of its timed
+    children), filed under a part; the phases are engine.prefill and the decoder's decode, wrapped; what
+    the modules do not cover (planning, the cache's bookkeeping, sampling) is the phase's "rest". The
+    hooks cost a few microseconds per module call, which lands in the parts they wrap."""
+
+    def __init__(self, drafter: draft_model.Drafter):
+        self.drafter, self.model = drafter, drafter.model
+        self.times: dict[tuple[str, str], float] = defaultdict(float)
+        self.phase = "outside"
+        self.stack: list[list[float]] = []  # per open module: [start, seconds of its timed children]
+        self.handles = []
+        for module in self.model.modules():
+            if not isinstance(module, (nn.ModuleList, transformer.Concat)):
+                self.handles.append(module.register_forward_pre_hook(self._enter))
+                self.handles.append(module.register_forward_hook(self._leave))
+        self.model.logits = self._timed("lm_head (logits)", self.model.logits)
+        self.drafter.decoder.decode = self._phase("decode", self.drafter.decoder.decode)
+        self.prefill = engine.prefill
+        engine.prefill = self._phase("prefill", engine.prefill)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        del self.model.logits, self.drafter.decoder.decode  # the instance attributes that shadow the methods
+        engine.prefill = self.prefill
+
+    def part(self, module: nn.Module, args: tuple) -> str:
+        if isinstance(module, int4.Int4Linear):
+            rows = args[0].numel() // module.in_features
+            dense = min(args[1] if len(args) > 1 and module.dense_prefill else 0, rows)
+            return {rows: "INT4 linears: unpacked (dense) rows", 0: "INT4 linears: kernel rows"}.get(
+                dense, "INT4 linears: dense + kernel rows"
+            )
+        names = {
+            nn.Linear: "dense linears",
+            transformer.LoRALinear: "LoRA side matmuls and add",
+            transformer.Attention: "attention (q/k norm, RoPE, cache, scores)",
+            transformer.MLP: "SiLU(gate) * up",
+            transformer.RMSNorm: "RMSNorm",
+            transformer.Block: "residual adds",
+            transformer.Transformer: "embedding, RoPE tables",
+            nn.Embedding: "embedding, RoPE tables",
+        }
+        return names.get(type(module), type(module).__name__)
+
+    def _enter(self, module, args) -> None:
+        self.stack.append([time.perf_counter(), 0.0])
+
+    def _leave(self, module, args, output) -> None:
+        self._close(self.part(module, args))
+
+    def _close(self, part: str) -> None:
+        start, children = self.stack.pop()
+        spent = time.perf_counter() - start
+        self.times[self.phase, part] += spent - children
+        if self.stack:
+            self.stack[-1][1] += spent
+
+    def _timed(self, part: str, function):
+        def timed(*args, **kwargs):
+            self.stack.append([time.perf_counter(), 0.0])
+            result = function(*args, **kwargs)
+            self._close(part)
+            return result
+
+        return timed
+
+    def _phase(self, phase: str, function):
+        def timed(*args, **kwargs):
+            self.phase = phase
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            self.times[phase, "total"] += time.perf_counter() - start
+            self.phase = "outside"
+            return result
+
+        return timed
+
+
+def profile_parts(drafter: draft_model.Drafter, prompts: Prompts, batch: int, context: int, repeats: int) -> dict:
+    """Per phase and part, the median over `repeats` cold calls (after one warm-up) of its milliseconds."""
+    draft_model.draft_batch(drafter, prompts.rows(batch, context), DRAFT_TOKENS, stop_token_ids=[])
+    timer, calls = PartTimer(drafter), []
+    try:
+        for _ in range(repeats):
+            timer.times.clear()
+            draft_model.draft_batch(drafter, prompts.rows(batch, context), DRAFT_TOKENS, stop_token_ids=[])
+            times = dict(timer.times)
+            for phase in ("prefill", "decode"):
+                parts = sum(t for (p, part), t in times.items() if p == phase and part != "total")
+                times[phase, "rest (planning, cache bookkeeping, sampling)"] = times[phase, "total"] - parts
+            calls.append(times)
+    finally:
+        timer.close()
+    keys = sorted({key for call in calls for key in call})
+    return {
+        f"{phase}: {part}": statistics.median(c.get((phase, part), 0.0) for c in calls) * 1e3 for phase, part in keys
+    }
+
+
+def print_profile(shape: str, path: str, batch: int, context: int, parts: dict) -> None:
+    print(f"{shape} {path} B={batch} ctx={context}: where a cold call's time goes (median ms)", flush=True)
+    for phase in ("prefill", "decode"):
+        total = parts[f"{phase}: total"]
+        rows = sorted(
+            ((k, v) for k, v in parts.items() if k.startswith(phase) and not k.endswith("total")), key=lambda kv: -kv[1]
+        )
+        print(f"  {phase:8s} {total:9.1f} ms", flush=True)
+        for key, ms in rows:
+            print(f"    {key.removeprefix(phase + ': '):48s} {ms:9.1f} ms  {ms / total:6.1%}", flush=True)
+
+
+def load_ours(package: Path, args: argparse.Namespace) -> tuple[dict, draft_model.Drafter]:
+    """Our drafters on the paths asked for (--ours), and the dense fp32 one the transformers models copy."""
     max_context = max(args.contexts) + DRAFT_TOKENS + ACCEPTED + 1
     slots = 2 * max(*args.batch_sizes, AGREEMENT_ROWS)
-    ours = {"ours packed": draft_model.load_model(package, cache_slots=slots, max_context=max_context)}
-    if not isinstance(ours["ours packed"].model.lm_head, int4.Int4Linear):  # else the INT4 table already is the head
-        ours["ours packed+q-head"] = draft_model.load_model(
-            package, cache_slots=slots, max_context=max_context, quantize_lm_head=True
-        )
-    ours["ours dequant"] = draft_model.load_model(
+    load = {
+        "packed": {},
+        "packed+q-head": {"quantize_lm_head": True},
+        "dequant": {"weights": "dequant"},
+    }
+    ours = {
+        f"ours {path}": draft_model.load_model(package, cache_slots=slots, max_context=max_context, **load[path])
+        for path in args.ours
+    }
+    head = ours.get("ours packed+q-head")
+    if head is not None and isinstance(head.model.lm_head, int4.Int4Linear) and "ours packed" in ours:
+        if isinstance(ours["ours packed"].model.lm_head, int4.Int4Linear):
+            del ours["ours packed+q-head"]  # the INT4 table already is the head: the same drafter twice
+    dense = ours.get("ours dequant") or draft_model.load_model(
         package, cache_slots=slots, max_context=max_context, weights="dequant"
     )
-    dense = ours["ours dequant"]
+    return ours, dense
+
+
+def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
+    ours, dense = load_ours(package, args)
     theirs = {f"hf {dtype}": transformers_model(dense, package, getattr(torch, dtype)) for dtype in args.hf_dtypes}
     memory = {path: drafter.weight_bytes() for path, drafter in ours.items()}
     memory.update(
         {path: sum(p.numel() * p.element_size() for p in model.parameters()) for path, model in theirs.items()}
     )
     prompts = Prompts(dense.vocab_size, seed=0)
-    result = {
-        "shape": name,
-        "weight_bytes": memory,
-        "packed_dequant_agreement": agreement(ours["ours packed"], dense, prompts),
-        "cells": [],
-    }
+    result = {"shape": name, "weight_bytes": memory, "cells": [], "profiles": []}
+    if "ours packed" in ours and "ours dequant" in ours:
+        result["packed_dequant_agreement"] = agreement(ours["ours packed"], dense, prompts)
     for context in args.contexts:
         for batch in args.batch_sizes:
             if batch * context > args.max_batch_tokens:
@@ -173,6 +302,11 @@ def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
                 cell[path] = time_transformers(model, prompts, batch, context, args.repeats)
             result["cells"].append(cell)
             print_cell(name, cell, args.hf_dtypes[0])
+            if args.profile:
+                for path, drafter in ours.items():
+                    parts = profile_parts(drafter, prompts, batch, context, args.repeats)
+                    print_profile(name, path, batch, context, parts)
+                    result["profiles"].append({"path": path, "batch": batch, "context": context, "ms": parts})
     return result
 
 
@@ -215,6 +349,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="random packages store the tied embedding as INT4 in groups of G",
     )
+    parser.add_argument(
+        "--ours",
+        default="packed,packed+q-head,dequant",
+        help="comma-separated paths of ours to time: packed, packed+q-head (skipped where the head already is "
+        "INT4), dequant (slow at large batches)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where each of our cold calls' time goes, by phase and part of the forward",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -229,14 +375,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.contexts = [int(c) for c in args.contexts.split(",")]
     except ValueError:
         parser.error("--batch-sizes and --contexts take comma-separated integers, e.g. 1,4,16")
+    args.ours = [path for path in args.ours.split(",") if path]
+    if not args.ours or any(path not in ("packed", "packed+q-head", "dequant") for path in args.ours):
+        parser.error(f"--ours takes packed, packed+q-head and/or dequant, got {','.join(args.ours) or 'nothing'}")
     args.hf_dtypes = args.hf_dtypes.split(",")
     if any(d not in ("bfloat16", "float32") for d in args.hf_dtypes):
         parser.error("--hf-dtypes takes bfloat16 and/or float32")
     return args
 
 
+def cpu_line() -> str:
+    """The CPU and the instruction sets the matmul kernels care about, as /proc/cpuinfo and torch see them."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    return (
+        f"CPU {model}, {', '.join(f for f in wanted if f in flags) or 'none of AVX2/AVX512/AMX'}; "
+        f"torch capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(cpu_line(), flush=True)
     allocator = (
         "glibc malloc keeps freed blocks" if draft_model.reuse_freed_memory() else "default allocator"
     )  # as the server
@@ -253,10 +417,9 @@ def main(argv: list[str] | None = None) -> None:
         for shape, package in targets + [(p.name, p) for p in args.package]:
             result = bench_shape(shape, package, args)
             gib = {path: f"{n / 2**20:.1f} MiB" for path, n in result["weight_bytes"].items()}
-            print(
-                f"{shape}: resident weights {gib}; packed/dequant draft agreement {result['packed_dequant_agreement']:.1%}",
-                flush=True,
-            )
+            agreement = result.get("packed_dequant_agreement")
+            agree = "" if agreement is None else f"; packed/dequant draft agreement {agreement:.1%}"
+            print(f"{shape}: resident weights {gib}{agree}", flush=True)
             results.append(result)
     if args.json:
         temporary = args.json.with_name(args.json.name + ".tmp")

@@ -13,6 +13,7 @@ import pytest
 from tiny_models import write_default_path_package
 
 import draft_model
+import int4
 
 LENGTHS = [1, 7, 63, 64, 65, 100, 127, 128, 130, 200]
 
@@ -32,36 +33,46 @@ def drafts(drafter, rows: list[list[int]], max_tokens=12) -> list[tuple[list[int
     return [(list(d), d.logprobs) for d in made]
 
 
-def alone(package, rows: list[list[int]], weights: str, max_tokens=12) -> list[tuple[list[int], list[float]]]:
-    return [
-        drafts(draft_model.load_model(package, cache_slots=2, weights=weights), [row], max_tokens)[0] for row in rows
-    ]
+# Every CPU kernel shipped for INT4 layers (int4.CPU_KERNELS), as load_model takes it.
+KERNELS = {name: {"weights": kernel.weights, "dtype": kernel.dtype} for name, kernel in int4.CPU_KERNELS.items()}
 
 
-@pytest.mark.parametrize("weights", ["packed", "dequant"])
-def test_batches_of_every_size_draft_what_each_row_drafts_alone(package, weights):
+def load(package, kernel: str, cache_slots: int) -> draft_model.Drafter:
+    try:
+        int4.choose_cpu_kernel(kernel)
+    except ValueError as lacking:
+        pytest.skip(str(lacking))
+    return draft_model.load_model(package, cache_slots=cache_slots, **KERNELS[kernel])
+
+
+def alone(package, rows: list[list[int]], kernel: str, max_tokens=12) -> list[tuple[list[int], list[float]]]:
+    return [drafts(load(package, kernel, cache_slots=2), [row], max_tokens)[0] for row in rows]
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_batches_of_every_size_draft_what_each_row_drafts_alone(package, kernel):
     rows = rows_of(LENGTHS * 2, seed=1)
-    expected = alone(package, rows, weights)
-    drafter = draft_model.load_model(package, cache_slots=64, weights=weights)
-    assert drafter.weights == ("packed" if weights == "packed" else "dense")
+    expected = alone(package, rows, kernel)
+    drafter = load(package, kernel, cache_slots=64)
+    assert drafter.kernel()["name"] == kernel
     shuffled = random.Random(2)
     for size in (2, 3, 5, 8, 16):
         order = shuffled.sample(range(len(rows)), size)
-        fresh = draft_model.load_model(package, cache_slots=64, weights=weights)
+        fresh = load(package, kernel, cache_slots=64)
         assert drafts(fresh, [rows[i] for i in order]) == [expected[i] for i in order], f"batch of {size}"
     # The same rows again, now with prefixes in the cache, in a batch of all of them.
     assert drafts(drafter, rows) == expected
     assert drafts(drafter, rows) == expected
 
 
-@pytest.mark.parametrize("weights", ["packed", "dequant"])
-def test_harness_follow_ups_draft_what_a_cold_call_drafts(package, weights):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_harness_follow_ups_draft_what_a_cold_call_drafts(package, kernel):
     rows = rows_of(LENGTHS, seed=3)
-    drafter = draft_model.load_model(package, cache_slots=32, weights=weights)
+    drafter = load(package, kernel, cache_slots=32)
     follow_ups = rows
     for turn in range(4):
         made = drafts(drafter, follow_ups)
-        assert made == alone(package, follow_ups, weights), f"turn {turn}"
+        assert made == alone(package, follow_ups, kernel), f"turn {turn}"
         # The harness loop: keep some drafted tokens, add the target's bonus token, send it again.
         follow_ups = [
             row + tokens[: (turn * 5 + i) % 9] + [(i + turn) % 256]

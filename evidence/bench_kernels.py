@@ -1,0 +1,130 @@
+"""Time each shipped CPU kernel for INT4 layers (int4.CPU_KERNELS) by the number of rows in the call.
+
+For one layer shape at a time (a model's fused q|k|v, o, gate|up, down and lm_head; random 4-bit
+weights time exactly like trained ones), it times the few-row product each kernel gives a decode step at
+M = 1, 2, 4, 8, 16 rows, and the many-row product of a prefill's complete chunks (the int4pack kernel's
+unpacked matmul, the dense kernels' resident matmul) at 64, 512 and 2048 rows. Medians of --repeats,
+all in one process; the CPU and the kernel `auto` chooses are printed first. Kernels this CPU lacks are
+left out, by name.
+
+Reads nothing. Writes a table to stdout (and with --json the figures).
+
+    python -m evidence.bench_kernels --shape qwen3-180m --threads 1
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import int4  # noqa: E402
+import transformer  # noqa: E402
+
+SHAPES = {  # (hidden, intermediate, q heads x head dim, kv heads x head dim, vocab) of the benchmarked models
+    "qwen3-180m": (512, 2048, 512, 256, 151936),
+    "qwen3-0.6b": (1024, 3072, 2048, 1024, 151936),
+    "smollm2-135m": (576, 1536, 576, 192, 49152),
+}
+GROUP = 32
+FEW_ROWS = (1, 2, 4, 8, 16)
+MANY_ROWS = (64, 512, 2048)
+
+
+def layers(shape: str) -> dict[str, tuple[int, int]]:
+    hidden, intermediate, q, kv, vocab = SHAPES[shape]
+    return {
+        "qkv": (hidden, q + 2 * kv),
+        "o": (q, hidden),
+        "gate_up": (hidden, 2 * intermediate),
+        "down": (intermediate, hidden),
+        "lm_head": (hidden, vocab),
+    }
+
+
+def random_layer(in_features: int, out_features: int) -> int4.Int4Linear:
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    zeros = torch.full((in_features // GROUP, out_features), 8)
+    scales = torch.full((in_features // GROUP, out_features), 0.01)
+    g_idx = torch.arange(in_features) // GROUP
+    packed = int4.gptq_pack(q, zeros, scales, g_idx)
+    layer = int4.Int4Linear(in_features, out_features, GROUP, bias=False)
+    layer.load_state_dict(
+        int4.Int4Linear.pack_gptq(packed["qweight"], packed["qzeros"], packed["scales"], g_idx, "gptq")
+    )
+    return layer
+
+
+def median_ms(run, x: torch.Tensor, repeats: int) -> float:
+    run(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def time_kernel(name: str, layer: int4.Int4Linear, repeats: int) -> dict[str, float]:
+    """Milliseconds per call of kernel `name` on `layer`: few rows (a decode step) and many (complete chunks)."""
+    kernel = int4.CPU_KERNELS[name]
+    if kernel.weights == "packed":
+        few = lambda x: layer(x)  # noqa: E731
+        many = lambda x: layer(x, x.shape[0])  # noqa: E731
+    else:
+        weight = layer.dense_weight(dtype=torch.float32).to(kernel.dtype)
+        few = lambda x: transformer.row_invariant_linear(x, weight)  # noqa: E731
+        many = lambda x: transformer.row_invariant_linear(x, weight, dense_rows=x.shape[0])  # noqa: E731
+    dtype = kernel.dtype
+    figures = {}
+    for rows in FEW_ROWS:
+        x = torch.randn(rows, layer.in_features).to(dtype)
+        figures[f"M={rows}"] = median_ms(few, x, repeats)
+    for rows in MANY_ROWS:
+        x = torch.randn(rows, layer.in_features).to(dtype)
+        figures[f"M={rows} (chunks)"] = median_ms(many, x, max(1, repeats // 3))
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-180m", choices=list(SHAPES), help="the model whose layers to time")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=9, help="timed calls per cell (median reported)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    if args.threads < 1 or args.repeats < 1:
+        parser.error("--threads and --repeats must be at least 1")
+    torch.set_num_threads(args.threads)
+    print(
+        f"CPU flags: {int4.cpu_description()}; {args.threads} thread(s); auto chooses {int4.choose_cpu_kernel('auto')}"
+    )
+    shipped = []
+    for name in int4.CPU_KERNELS:
+        try:
+            shipped.append(int4.choose_cpu_kernel(name))
+        except ValueError as lacking:
+            print(f"left out: {lacking}")
+    results = {}
+    for layer_name, (in_features, out_features) in layers(args.shape).items():
+        layer = random_layer(in_features, out_features)
+        for name in shipped:
+            figures = time_kernel(name, layer, args.repeats)
+            results[f"{layer_name} {name}"] = figures
+            cells = "  ".join(f"{rows} {ms:7.2f}" for rows, ms in figures.items())
+            print(f"{args.shape} {layer_name:8s} {in_features}x{out_features} {name:10s} ms: {cells}", flush=True)
+    if args.json:
+        temporary = args.json.with_name(args.json.name + ".tmp")
+        temporary.write_text(json.dumps({"argv": sys.argv[1:], "cpu": int4.cpu_description(), "ms": results}))
+        temporary.rename(args.json)
+
+
+if __name__ == "__main__":
+    main()

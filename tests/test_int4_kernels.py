@@ -1,0 +1,130 @@
+"""Every CPU kernel shipped for INT4 layers computes each row independently of the rows beside it, and the
+--int4-kernel setting chooses among them by what the CPU has.
+
+The rule (docs: README, "INT4 kernels"): random inputs of M = 1..17 rows, each row's result bitwise equal to
+the same row multiplied alone. A kernel that fails it is dropped, not the rule loosened: drafts alone and
+in a batch must stay identical.
+"""
+
+import pytest
+import torch
+from tiny_models import write_default_path_package
+
+import draft_model
+import int4
+import server_settings
+import transformer
+
+GROUP = 32
+
+
+def random_int4_layer(in_features: int, out_features: int, seed: int) -> int4.Int4Linear:
+    """An Int4Linear from random GPTQ integers, scales and zeros (not a trained layer: the kernels do not care)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    zeros = torch.randint(0, 16, (in_features // GROUP, out_features), generator=generator)
+    scales = torch.rand(in_features // GROUP, out_features, generator=generator) * 0.01 + 1e-3
+    g_idx = torch.arange(in_features) // GROUP
+    packed = int4.gptq_pack(q, zeros, scales, g_idx)
+    layer = int4.Int4Linear(in_features, out_features, GROUP, bias=False)
+    state = int4.Int4Linear.pack_gptq(packed["qweight"], packed["qzeros"], packed["scales"], g_idx, "gptq")
+    layer.load_state_dict(state)
+    return layer
+
+
+def available(name: str) -> bool:
+    try:
+        return int4.choose_cpu_kernel(name) == name
+    except ValueError:
+        return False
+
+
+def few_rows_product(name: str, layer: int4.Int4Linear):
+    """The product a kernel gives a decode step's (few) rows of `layer`."""
+    if int4.CPU_KERNELS[name].weights == "packed":
+        return lambda x: layer(x.to(int4.INT4_KERNEL_DTYPE))
+    dtype = int4.CPU_KERNELS[name].dtype
+    weight = layer.dense_weight(dtype=torch.float32).to(dtype)  # dequantized once, as at load
+    return lambda x: transformer.row_invariant_linear(x.to(dtype), weight)
+
+
+def assert_rows_independent(product, in_features: int, seed: int, max_rows: int = 17) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for rows in range(1, max_rows + 1):
+        x = torch.randn(rows, in_features, generator=generator)
+        together = product(x)
+        for row in range(rows):
+            assert torch.equal(together[row], product(x[row : row + 1])[0]), f"row {row} of {rows}"
+
+
+@pytest.mark.parametrize("name", list(int4.CPU_KERNELS))
+def test_each_kernel_computes_every_row_as_it_computes_the_row_alone(name):
+    if not available(name):
+        pytest.skip(f"this CPU lacks {name}: it has {int4.cpu_description()}")
+    layer = random_int4_layer(256, 512, seed=1)
+    assert_rows_independent(few_rows_product(name, layer), 256, seed=2)
+
+
+def test_int4pack_splits_a_large_layer_into_few_row_calls_with_the_same_bits():
+    layer = random_int4_layer(1024, 16384, seed=3)  # 8 MiB packed: the size an lm_head's kernel calls are split at
+    assert layer.packed_weight.numel() >= int4.LARGE_LAYER_BYTES
+    assert_rows_independent(few_rows_product("int4pack", layer), 1024, seed=4, max_rows=3 * int4.KERNEL_ROWS + 1)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_a_prefills_complete_chunks_are_computed_as_each_chunk_alone(with_lora):
+    """The many-row path: unpacked per call (the adapter merged in), DENSE_ROW_BLOCK rows per matmul."""
+    layer = random_int4_layer(256, 512, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    lora = (torch.randn(8, 256, generator=generator), torch.randn(512, 8, generator=generator) * 0.01)
+    chunk = int4.DENSE_ROW_BLOCK
+    x = torch.randn(3 * chunk + 5, 256, generator=generator).to(int4.INT4_KERNEL_DTYPE)
+    for chunks in (1, 2, 3):
+        dense_rows = chunks * chunk
+        together = layer(x[:dense_rows], dense_rows, lora if with_lora else None)
+        for c in range(chunks):
+            rows = slice(c * chunk, (c + 1) * chunk)
+            alone = layer(x[rows], chunk, lora if with_lora else None)
+            assert torch.equal(together[rows], alone), f"chunk {c} of {chunks}"
+    mixed = layer(x, 2 * chunk)  # complete chunks and a last chunk's rows in one call
+    assert torch.equal(mixed[2 * chunk :], layer(x[2 * chunk :], 0))
+
+
+def test_auto_takes_dense_bf16_where_amx_multiplies_bf16_else_int4pack(monkeypatch):
+    monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
+    assert int4.choose_cpu_kernel("auto") == "dense-bf16"
+    monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert int4.choose_cpu_kernel("auto") == "int4pack"
+
+
+def test_a_forced_kernel_the_cpu_lacks_is_refused_in_one_line_naming_what_it_has(monkeypatch):
+    monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2"}))
+    with pytest.raises(server_settings.ConfigError) as refused:
+        server_settings.ServerSettings(model_dir="model", device="cpu", int4_kernel="dense-bf16")
+    message = str(refused.value)
+    assert "\n" not in message and "dense-bf16" in message and "avx512_bf16 or amx_bf16" in message
+    assert "this CPU has avx2" in message
+
+
+def test_an_unknown_kernel_lists_the_valid_ones():
+    with pytest.raises(server_settings.ConfigError, match="auto, int4pack, dense-bf16, dense-fp32"):
+        server_settings.ServerSettings(model_dir="model", device="cpu", int4_kernel="onednn")
+    with pytest.raises(ValueError, match="auto, int4pack, dense-bf16, dense-fp32"):
+        int4.choose_cpu_kernel("onednn")
+
+
+def test_a_forced_dense_kernel_sets_weights_and_dtype_and_refuses_a_contradiction():
+    settings = server_settings.ServerSettings(model_dir="model", device="cpu", int4_kernel="dense-fp32")
+    assert (settings.int4_kernel, settings.weights, settings.dtype) == ("dense-fp32", "dequant", "float32")
+    with pytest.raises(server_settings.ConfigError, match="runs --weights dequant, not packed"):
+        server_settings.ServerSettings(model_dir="model", device="cpu", int4_kernel="dense-fp32", weights="packed")
+    assert server_settings.ServerSettings(model_dir="model", device="cpu").weights == "auto"  # load_model chooses
+
+
+def test_auto_loads_the_kernel_auto_chooses(tmp_path):
+    """A GPTQ package loaded with every setting at auto runs the kernel int4.choose_cpu_kernel('auto') names,
+    and describes it (the server's start-up line and /health carry describe())."""
+    drafter = draft_model.load_model(write_default_path_package(tmp_path / "package"), device="cpu")
+    described = drafter.describe()["kernel"]
+    assert described["name"] == int4.choose_cpu_kernel("auto")
+    assert described["cpu"] == int4.cpu_description()
