@@ -17,12 +17,11 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from int4 import (
-    CPU_KERNELS,
     INT4_KERNEL_DTYPE,
     NIBBLES_PER_INT32,
     ZERO_OFFSET,
     Int4Linear,
-    choose_cpu_kernel,
+    auto_cpu_kernel_weights,
     cuda_unsupported,
     gptq_dequantize,
     kernel_layout_is_known,
@@ -450,7 +449,6 @@ def resolve_runtime(
 
     Packed INT4 runs on PyTorch's CPU or CUDA kernel with bf16 activations; dense weights default to bf16
     on CUDA and fp32 on CPU (bf16 matmuls are not faster than fp32 on every CPU, and fp32 is the exact one).
-    On the CPU, weights and dtype both "auto" follow int4.choose_cpu_kernel("auto"): dense bf16 where AMX is.
     """
     if weights not in WEIGHT_PATHS:
         raise ValueError(f"weights {weights!r} is not one of {WEIGHT_PATHS}")
@@ -479,8 +477,7 @@ def resolve_runtime(
         raise ModelLoadError(f"weights='packed' is not possible: {blocker}")
     packed = weights != "dequant" and blocker is None
     if packed and weights == "auto" and device.type == "cpu" and dtype is None:
-        kernel = CPU_KERNELS[choose_cpu_kernel("auto")]  # by the CPU's features: dense bf16 where AMX is
-        packed, dtype = kernel.weights == "packed", kernel.dtype
+        packed, dtype = auto_cpu_kernel_weights()  # chosen by the CPU's features: dense bf16 where AMX is
     if dtype is None:
         dtype = INT4_KERNEL_DTYPE if packed or device.type == "cuda" else torch.float32
     return device, dtype, packed

@@ -219,6 +219,13 @@ def choose_cpu_kernel(name: str) -> str:
     return name
 
 
+def auto_cpu_kernel_weights() -> tuple[bool, torch.dtype]:
+    """(packed, dtype) of the kernel choose_cpu_kernel("auto") names: what a CPU load with weights and dtype
+    left at auto runs (checkpoint.resolve_runtime)."""
+    kernel = CPU_KERNELS[choose_cpu_kernel("auto")]
+    return kernel.weights == "packed", kernel.dtype
+
+
 @functools.cache
 def dense_matmul_dtype() -> torch.dtype:
     """The dtype a prefill's unpacked matmuls run in: bf16 where the CPU multiplies bf16 in hardware (AMX or

@@ -6,7 +6,8 @@ weights time exactly like trained ones), loads it two or three ways, and times 1
   ours packed    draft_model, GPTQ linears kept at 4 bits on PyTorch's CPU INT4 kernel (bf16)
   ours packed+q-head   the same with the lm_head rounded to INT4 at load (quantize_lm_head); only for
                  packages whose tied table is bf16 (with --embedding-group-size the head already is INT4)
-  ours dequant   draft_model, weights dequantized to fp32 (the exact path)
+  ours dequant   draft_model, weights dequantized to fp32 (the exact path; the dense-fp32 kernel)
+  ours dense-bf16  draft_model, weights dequantized to bf16 (the dense-bf16 kernel)
   hf bf16        transformers generate() on the same dequantized weights (LoRA merged) in bf16,
                  its fastest dtype on these CPUs (--hf-dtypes adds float32)
 
@@ -14,12 +15,16 @@ at each batch size and context length: "cold" on fresh prompts, and "cached" on 
 follow-up (the previous prompt + 8 accepted draft tokens + a bonus token), which our prefix cache
 serves by prefilling 9 tokens; transformers has no cross-call cache and recomputes everything.
 Every cell is the median of --repeats runs on new prompts. Ratios are hf bf16 time / ours.
-Also printed: resident weight bytes per path, and how often packed and dequantized drafts agree.
+--ours picks which of ours to time (all but dense-bf16 by default). Also printed: the CPU and the INT4
+kernel auto chooses on it, resident weight bytes per path, how often packed and dequantized drafts agree,
+and with --profile where each of our cold calls' time goes, by phase (prefill, decode) and part of the
+forward (INT4 linears by path, LoRA, attention, norms, head, the rest).
 
 Reads nothing (or --package DIR, e.g. model/, benchmarked as a further shape). Writes a table to
 stdout and, with --json, the figures to a file.
 
     python evidence/bench_draft.py --shapes qwen3-180m,qwen3-0.6b --json bench_draft.json
+    python -m evidence.bench_draft --shapes qwen3-180m --batch-sizes 1,8 --contexts 512 --ours packed --profile
 """
 
 import argparse
@@ -265,6 +270,7 @@ def load_ours(package: Path, args: argparse.Namespace) -> tuple[dict, draft_mode
         "packed": {},
         "packed+q-head": {"quantize_lm_head": True},
         "dequant": {"weights": "dequant"},
+        "dense-bf16": {"weights": "dequant", "dtype": "bfloat16"},
     }
     ours = {
         f"ours {path}": draft_model.load_model(package, cache_slots=slots, max_context=max_context, **load[path])
@@ -352,8 +358,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ours",
         default="packed,packed+q-head,dequant",
-        help="comma-separated paths of ours to time: packed, packed+q-head (skipped where the head already is "
-        "INT4), dequant (slow at large batches)",
+        help="comma-separated paths of ours to time: packed (the int4pack kernel), packed+q-head (skipped where "
+        "the head already is INT4), dequant (dense fp32: the dense-fp32 kernel), dense-bf16 (dense bf16 weights)",
     )
     parser.add_argument(
         "--profile",
@@ -376,8 +382,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         parser.error("--batch-sizes and --contexts take comma-separated integers, e.g. 1,4,16")
     args.ours = [path for path in args.ours.split(",") if path]
-    if not args.ours or any(path not in ("packed", "packed+q-head", "dequant") for path in args.ours):
-        parser.error(f"--ours takes packed, packed+q-head and/or dequant, got {','.join(args.ours) or 'nothing'}")
+    paths = ("packed", "packed+q-head", "dequant", "dense-bf16")
+    if not args.ours or any(path not in paths for path in args.ours):
+        parser.error(f"--ours takes some of {', '.join(paths)}, got {','.join(args.ours) or 'nothing'}")
     args.hf_dtypes = args.hf_dtypes.split(",")
     if any(d not in ("bfloat16", "float32") for d in args.hf_dtypes):
         parser.error("--hf-dtypes takes bfloat16 and/or float32")
@@ -400,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(cpu_line(), flush=True)
+    print(f"{cpu_line()}; INT4 kernel auto: {int4.choose_cpu_kernel('auto')}", flush=True)
     allocator = (
         "glibc malloc keeps freed blocks" if draft_model.reuse_freed_memory() else "default allocator"
     )  # as the server

@@ -1,4 +1,5 @@
-"""A row's draft depends only on its tokens, the weights and its own settings, on the default path too.
+"""A row's draft depends only on its tokens, the weights and its own settings, on every CPU kernel shipped
+for INT4 layers (int4.CPU_KERNELS: the default int4pack, dense-bf16 where the CPU has bf16 hardware, dense-fp32).
 
 Each case drafts the same rows several ways (alone on a fresh pool, again from the prefix cache, in
 batches with neighbours of other lengths, as batched harness follow-ups) and requires the drafts and
