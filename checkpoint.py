@@ -22,18 +22,19 @@ from int4 import (
     ZERO_OFFSET,
     Int4Linear,
     auto_cpu_kernel_weights,
+    cuda_kernel_blocker,
     cuda_unsupported,
     gptq_dequantize,
     kernel_layout_is_known,
     rtn_quantize,
 )
 from package_manifest import ManifestMismatch, verify_manifest
+from planning import DEFAULT_MAX_CONTEXT
 from transformer import LoRALinear, ModelConfig, Transformer, fuse_projections
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("qwen3", "llama", "qwen2")
-DEFAULT_MAX_CONTEXT = 4096  # KV-cache length per slot when the caller does not choose one
 
 
 class ModelLoadError(ValueError):
@@ -431,14 +432,8 @@ def _apply_lora(model: Transformer, lora_dir: Path, merge: bool) -> LoRAConfig:
     return lora
 
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES |= {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the short names
 WEIGHT_PATHS = ("auto", "packed", "dequant")
 
 
@@ -467,7 +462,7 @@ def resolve_runtime(
         if device.type not in ("cpu", "cuda")
         else f"torch {torch.__version__} has no CPU INT4 kernel"
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-        else _cuda_kernel_blocker(device)
+        else cuda_kernel_blocker(device)
         if device.type == "cuda"
         else f"the INT4 kernel needs bfloat16 activations, not {dtype}"
         if dtype not in (None, INT4_KERNEL_DTYPE)
@@ -481,24 +476,6 @@ def resolve_runtime(
     if dtype is None:
         dtype = INT4_KERNEL_DTYPE if packed or device.type == "cuda" else torch.float32
     return device, dtype, packed
-
-
-def _cuda_kernel_blocker(device: torch.device) -> str | None:
-    """Why the CUDA INT4 kernel (tinygemm, tensor cores) cannot run on `device`, or None."""
-    if not torch.cuda.is_available():
-        return None  # the device check at start-up refuses this with its own message
-    major, minor = torch.cuda.get_device_capability(device)
-    return None if major >= 8 else f"the CUDA INT4 kernel needs compute capability 8.0 or newer, not {major}.{minor}"
-
-
-def _use_cuda_kernels(model: Transformer) -> None:
-    """Repack every Int4Linear of a model on a CUDA device for the CUDA kernel. A tied INT4 table is
-    first copied out as a dense embedding: the kernel's tiles cannot be read row by row."""
-    if model.embed_tokens is None:
-        model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.dense_weight().contiguous(), freeze=True)
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            module.use_cuda_kernel()
 
 
 @dataclass(frozen=True)
@@ -616,5 +593,5 @@ def load_weights(
     model_card = _read_json(card_path) if card_path.exists() else {}
     model = model.to(device).eval().requires_grad_(False)
     if packed and device.type == "cuda":
-        _use_cuda_kernels(model)
+        model.use_cuda_int4_kernels()
     return LoadedWeights(model, cfg, quant, lora, model_card)

@@ -20,10 +20,10 @@ import torch
 
 import engine
 import int4
-from checkpoint import DEFAULT_MAX_CONTEXT, LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
+from checkpoint import LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
-from planning import BATCH_BUCKETS, bucket_problem, chunk_end, rows_per_call
+from planning import BATCH_BUCKETS, bucket_problem, chunk_end, default_context, rows_per_call
 from transformer import FUSED_PROJECTIONS, Concat, LoRALinear, ModelConfig, Transformer
 
 __all__ = [
@@ -58,8 +58,8 @@ def load_model(
     device: cuda when available, else cpu. weights: "packed" keeps GPTQ linears at 4 bits and
     multiplies with PyTorch's CPU INT4 kernel (bf16); "dequant" expands them to dense weights;
     "auto" packs whenever the kernel can run. dtype: bf16 when packed or on cuda, else fp32.
-    cache_slots: prefix-cache slots (a batch uses at most half of them). max_context: tokens per
-    slot, default min(max_position_embeddings, 4096). LoRA is merged into dense weights by default
+    cache_slots: prefix-cache slots (a call uses planning.SLOTS_PER_ROW per row). max_context: tokens per
+    slot, default the model's max_position_embeddings capped at planning.DEFAULT_MAX_CONTEXT. LoRA is merged into dense weights by default
     and always kept as side matmuls beside packed ones (use_lora=False ignores the adapter).
     quantize_lm_head: on the packed path, also round the lm_head to INT4 at load (faster decode
     steps; measure its effect on tau). verify_integrity: check a package's files against its sha256
@@ -83,7 +83,7 @@ def load_model(
         verify_integrity=verify_integrity,
     )
     cfg = loaded.cfg
-    context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
+    context = default_context(cfg.max_position_embeddings) if max_context is None else max_context
     if not 1 <= context <= cfg.max_position_embeddings:
         raise ModelLoadError(
             f"max_context {context} must lie in 1..{cfg.max_position_embeddings} (the model's max_position_embeddings)"

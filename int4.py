@@ -277,6 +277,14 @@ def cuda_unsupported(in_features: int, out_features: int) -> str | None:
     return None
 
 
+def cuda_kernel_blocker(device: torch.device) -> str | None:
+    """Why the CUDA INT4 kernel (tinygemm, tensor cores) cannot run on `device`, or None."""
+    if not torch.cuda.is_available():
+        return None  # the device check at start-up refuses this with its own message
+    major, minor = torch.cuda.get_device_capability(device)
+    return None if major >= 8 else f"the CUDA INT4 kernel needs compute capability 8.0 or newer, not {major}.{minor}"
+
+
 class Int4Linear(nn.Module):
     """A GPTQ linear kept packed at 4 bits per weight and multiplied by PyTorch's INT4 kernel: the CPU one,
     or after use_cuda_kernel() the CUDA one (tinygemm).

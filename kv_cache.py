@@ -30,8 +30,8 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        if num_slots < 2:
-            raise ValueError(f"cache_slots must be at least 2, got {num_slots}")
+        if num_slots < SLOTS_PER_ROW:
+            raise ValueError(f"cache_slots must be at least {SLOTS_PER_ROW}, got {num_slots}")
         self.capacity = round_up(max_len, CHUNK)
         # One spare chunk past the capacity, never read: a window then never spans a whole slot, which a
         # compiled step would otherwise take as a constant size.

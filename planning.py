@@ -14,6 +14,12 @@ CHUNK = 64  # positions per chunk; the attention's key blocks and the INT4 kerne
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a compiled decode step is built for
 # Cache slots per row of a call: each row may need a fresh slot beside the one holding its matched prefix.
 SLOTS_PER_ROW = 2
+DEFAULT_MAX_CONTEXT = 4096  # KV-cache length per slot when the caller does not choose one
+
+
+def default_context(max_position_embeddings: int) -> int:
+    """Tokens per cache slot when the caller does not choose: the model's context, capped."""
+    return min(max_position_embeddings, DEFAULT_MAX_CONTEXT)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -88,13 +88,16 @@ class ServerSettings:
         check=within(0, draft_model.LOOKUP_MAX_MATCH),
     )
     cache_slots: int | None = setting(
-        "KV-cache slots for prefix reuse; at least 2 x --max-batch-size (None: exactly that)",
+        f"KV-cache slots for prefix reuse; at least {planning.SLOTS_PER_ROW} x --max-batch-size (None: exactly that)",
         None,
         parse=int,
         check=at_least(1),
     )
     max_context: int | None = setting(
-        "longest token_ids accepted (None: the model's, capped at 4096)", None, parse=int, check=at_least(1)
+        f"longest token_ids accepted (None: the model's, capped at {planning.DEFAULT_MAX_CONTEXT})",
+        None,
+        parse=int,
+        check=at_least(1),
     )
     device: str = setting("auto: cuda if available", "auto", choices=("auto", "cpu", "cuda"))
     dtype: str = setting(
@@ -327,7 +330,7 @@ def memory_problem(settings: ServerSettings) -> str | None:
     if available is None:
         return None
     cfg = layout.cfg
-    context = settings.max_context or min(cfg.max_position_embeddings, checkpoint.DEFAULT_MAX_CONTEXT)
+    context = settings.max_context or planning.default_context(cfg.max_position_embeddings)
     if context > cfg.max_position_embeddings:
         return None  # load_model refuses it, naming the model's limit
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize

@@ -395,6 +395,15 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed_tokens.weight
 
+    def use_cuda_int4_kernels(self) -> None:
+        """Repack every Int4Linear (on a CUDA device) for the CUDA kernel. A tied INT4 table is first copied
+        out as a dense embedding: the kernel's tiles cannot be read row by row."""
+        if self.embed_tokens is None:
+            self.embed_tokens = nn.Embedding.from_pretrained(self.lm_head.dense_weight().contiguous(), freeze=True)
+        for module in self.modules():
+            if isinstance(module, Int4Linear):
+                module.use_cuda_kernel()
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids (N,) -> (N, hidden); without a table of its own, the rows of the INT4 lm_head."""
         return self.embed_tokens(token_ids) if self.embed_tokens is not None else self.lm_head.rows(token_ids)

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 import draft_model
 import int4
 from evidence import common
+from planning import SLOTS_PER_ROW
 
 VIEW_OPS = {
     "aten::view",
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.model,
             dtype=args.dtype,
             weights=args.weights,
-            cache_slots=2 * max(args.batch),
+            cache_slots=SLOTS_PER_ROW * max(args.batch),
             max_context=args.prompt_tokens + 2 * args.k,
             **compiled,
         )

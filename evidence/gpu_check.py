@@ -41,6 +41,7 @@ import draft_model  # noqa: E402
 import engine  # noqa: E402
 from evidence import common  # noqa: E402
 from evidence.bench_draft import ACCEPTED, DRAFT_TOKENS, SHAPES, Prompts, transformers_model  # noqa: E402
+from planning import SLOTS_PER_ROW  # noqa: E402
 
 PROMPT_LENGTHS = (1, 7, 64, 300, 1000)
 LATENCY_GOAL_MS, LATENCY_MUST_MS = 12.0, 21.0
@@ -168,7 +169,7 @@ def latency(device: str, repeats: int, scratch: Path, shape: str = "qwen3-1.7b")
             device,
             "bfloat16",
             weights=weights,
-            cache_slots=2 * max(LATENCY_BATCHES),
+            cache_slots=SLOTS_PER_ROW * max(LATENCY_BATCHES),
             max_context=1024,
             compiled=compiled,
         )

@@ -60,6 +60,7 @@ import torch
 from tqdm import tqdm
 
 import draft_model
+from checkpoint import DTYPES
 from evidence import common
 from evidence.packages import load_any_model
 from evidence.prepare_prompts import encode, load_tokenizer
@@ -72,7 +73,6 @@ from evidence.spec_loop import (
     target_greedy,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BASELINES = ("ngram", "assisted")
 NGRAM_MAX = 3  # the n-gram baseline matches the last 1..3 tokens
 SERVER_TIMEOUT_S = 60

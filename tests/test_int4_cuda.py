@@ -64,7 +64,7 @@ def test_a_packed_model_hands_the_cuda_kernel_its_layout(monkeypatch):
     expected_rows = model.embed(ids)
     monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", convert)
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm", multiply)
-    checkpoint._use_cuda_kernels(model)
+    model.use_cuda_int4_kernels()
     assert torch.equal(model.embed(ids), expected_rows)
     layers = [m for m in model.modules() if isinstance(m, int4.Int4Linear)]
     assert len(layers) == len(converted) == 4 * cfg.num_layers + 1  # qkv, o, gate_up, down per layer; the head
