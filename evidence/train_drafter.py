@@ -7,7 +7,8 @@ Loss per continuation position (token-mean over the batch):
                              q = student softmax restricted to the same K ids, renormalised over them.
 
 AdamW, linear warmup then cosine decay to `min_lr_ratio * lr`, gradient accumulation, bf16 autocast on
-GPU. Under torchrun / accelerate launch (WORLD_SIZE set) it runs as DDP: each rank takes every
+GPU and on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX; elsewhere emulated bf16 is slower
+than fp32, so those CPUs train in fp32). Under torchrun / accelerate launch (WORLD_SIZE set) it runs as DDP: each rank takes every
 WORLD_SIZE-th example of the shuffled epoch, rank 0 evaluates and saves. The checkpoint kept is the one
 with the best holdout tau measured by the exact offline estimator (evidence/tau.py), step 0 included.
 
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+import int4
 from evidence import common
 from evidence.gen_data import collate, load_examples
 from evidence.tau import continuation_logits, offline_tau
@@ -98,7 +100,7 @@ class TrainSettings:
     eval_every: int = 100  # optimizer steps between holdout tau measurements
     eval_batch_size: int = 8
     seed: int = 0
-    bf16: bool = True  # autocast on CUDA; CPU always runs fp32
+    bf16: bool = True  # autocast on CUDA, and on a CPU with bf16 hardware
 
 
 class Distiller(torch.nn.Module):
@@ -200,7 +202,9 @@ def train(
         optimizer, lambda step: learning_rate_factor(step, settings.warmup_steps, total_steps, settings.min_lr_ratio)
     )
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and settings.bf16 else nullcontext()
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if settings.bf16 and (device.type == "cuda" or set(int4.BF16_HARDWARE) & int4.cpu_flags())
+        else nullcontext()
     )
     micro_batches = micro_batch_stream(train_examples, settings, distributed)
     history: list[dict] = []
