@@ -28,7 +28,7 @@ from kv_cache import KVCache
 from planning import BATCH_BUCKETS, Piece, batch_bucket, chunk_end, prefill_pieces, waves, window_bucket
 from transformer import KEY_BLOCK, Plan, Segment, StepPlan, Transformer
 
-PREFILL_TOKENS = 2048  # tokens per prefill forward: bounds the size of its temporaries
+PREFILL_TOKENS = 8192  # tokens per prefill forward: bounds its temporaries; each forward unpacks every INT4 layer once
 
 
 def plan_for(pieces: list[Piece], slots: list[int], capacity: int, device: torch.device) -> Plan:

@@ -14,7 +14,7 @@ weights time exactly like trained ones), loads it two or three ways, and times 1
 at each batch size and context length: "cold" on fresh prompts, and "cached" on the harness'
 follow-up (the previous prompt + 8 accepted draft tokens + a bonus token), which our prefix cache
 serves by prefilling 9 tokens; transformers has no cross-call cache and recomputes everything.
-Every cell is the median of --repeats runs on new prompts. Ratios are hf bf16 time / ours.
+Every cell is the median of --repeats runs on new prompts, the paths taking turns run by run. Ratios are hf bf16 time / ours.
 --ours picks which of ours to time (all but dense-bf16 by default). Also printed: the CPU and the INT4
 kernel auto chooses on it, resident weight bytes per path, how often packed and dequantized drafts agree,
 and with --profile where each of our cold calls' time goes, by phase (prefill, decode) and part of the
@@ -78,15 +78,6 @@ def transformers_model(dense: draft_model.Drafter, package: Path, dtype: torch.d
     return model.to(dtype).eval()
 
 
-def median_seconds(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 class Prompts:
     """Fresh random prompts on every call, so a 'cold' call never finds its prefix in the cache."""
 
@@ -97,39 +88,52 @@ class Prompts:
         return torch.randint(0, self.vocab_size, (batch, length), generator=self.generator).tolist()
 
 
-def time_ours(drafter: draft_model.Drafter, prompts: Prompts, batch: int, context: int, repeats: int) -> dict:
-    cold, cached = [], []
-    for _ in range(repeats + 1):  # the first round warms up allocations and is dropped
-        rows = prompts.rows(batch, context)
-        start = time.perf_counter()
-        drafts = draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])
-        cold.append(time.perf_counter() - start)
-        follow_ups = [row + draft[:ACCEPTED] + [draft[ACCEPTED]] for row, draft in zip(rows, drafts)]
-        start = time.perf_counter()
-        draft_model.draft_batch(drafter, follow_ups, DRAFT_TOKENS, stop_token_ids=[])
-        cached.append(time.perf_counter() - start)
-    return {"cold": statistics.median(cold[1:]), "cached": statistics.median(cached[1:])}
+def seconds(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
-def time_transformers(
-    model: transformers.PreTrainedModel, prompts: Prompts, batch: int, context: int, repeats: int
-) -> dict:
+def round_of_ours(drafter: draft_model.Drafter, prompts: Prompts, batch: int, context: int) -> dict:
+    """One cold call on fresh prompts, then the harness' follow-up of each row, timed."""
+    rows = prompts.rows(batch, context)
+    drafts = []
+    cold = seconds(lambda: drafts.extend(draft_model.draft_batch(drafter, rows, DRAFT_TOKENS, stop_token_ids=[])))
+    follow_ups = [row + draft[:ACCEPTED] + [draft[ACCEPTED]] for row, draft in zip(rows, drafts)]
+    cached = seconds(lambda: draft_model.draft_batch(drafter, follow_ups, DRAFT_TOKENS, stop_token_ids=[]))
+    return {"cold": cold, "cached": cached}
+
+
+def round_of_transformers(model: transformers.PreTrainedModel, prompts: Prompts, batch: int, context: int) -> dict:
+    """generate() on a prompt and on the follow-up's length: transformers has no cache to reuse across calls."""
+
     def generate(length: int) -> None:
         ids = torch.tensor(prompts.rows(batch, length))
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=DRAFT_TOKENS,
-            min_new_tokens=DRAFT_TOKENS,
-            do_sample=False,
-        )
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=DRAFT_TOKENS,
+                min_new_tokens=DRAFT_TOKENS,
+                do_sample=False,
+            )
 
-    generate(context)  # warm-up
-    with torch.inference_mode():
-        return {
-            "cold": median_seconds(lambda: generate(context), repeats),
-            "cached": median_seconds(lambda: generate(context + ACCEPTED + 1), repeats),  # no cache to reuse
-        }
+    return {"cold": seconds(lambda: generate(context)), "cached": seconds(lambda: generate(context + ACCEPTED + 1))}
+
+
+def time_cell(ours: dict, theirs: dict, prompts: Prompts, batch: int, context: int, repeats: int) -> dict:
+    """Median seconds per path, the paths taking turns round by round so that a change in the machine's load
+    (it is shared) falls on all of them alike; the first round warms up and is dropped."""
+    rounds = {path: [] for path in [*ours, *theirs]}
+    for _ in range(repeats + 1):
+        for path, drafter in ours.items():
+            rounds[path].append(round_of_ours(drafter, prompts, batch, context))
+        for path, model in theirs.items():
+            rounds[path].append(round_of_transformers(model, prompts, batch, context))
+    return {
+        path: {kind: statistics.median(r[kind] for r in runs[1:]) for kind in ("cold", "cached")}
+        for path, runs in rounds.items()
+    }
 
 
 def agreement(
@@ -301,11 +305,7 @@ def bench_shape(name: str, package: Path, args: argparse.Namespace) -> dict:
         for batch in args.batch_sizes:
             if batch * context > args.max_batch_tokens:
                 continue
-            cell = {"batch": batch, "context": context}
-            for path, drafter in ours.items():
-                cell[path] = time_ours(drafter, prompts, batch, context, args.repeats)
-            for path, model in theirs.items():
-                cell[path] = time_transformers(model, prompts, batch, context, args.repeats)
+            cell = {"batch": batch, "context": context} | time_cell(ours, theirs, prompts, batch, context, args.repeats)
             result["cells"].append(cell)
             print_cell(name, cell, args.hf_dtypes[0])
             if args.profile:

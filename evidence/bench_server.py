@@ -197,6 +197,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def kernel_text(model: dict) -> str:
+    """The server's INT4 kernel and, on a CPU, the instruction sets it was chosen for (from /health)."""
+    kernel = model.get("kernel") or {}
+    cpu = f" on a CPU with {kernel['cpu']}" if "cpu" in kernel else ""
+    return f"kernel {kernel.get('name', 'unknown (an older server)')}{cpu}"
+
+
 def server_identity(url: str) -> dict:
     """The draft server's /health; behind vllm-router (whose /health is its own plain text), a replica's."""
     try:
@@ -238,7 +245,7 @@ def main() -> None:
     print(
         f"server {args.url}{behind}: "
         f"{model['name']} ({model['architecture']}, {model['num_layers']} layers, "
-        f"{model['device']}/{model['dtype']}, weights {model.get('weights')}), max_batch_size "
+        f"{model['device']}/{model['dtype']}, weights {model.get('weights')}, {kernel_text(model)}), max_batch_size "
         f"{health['limits']['max_batch_size']}; prompt {args.prompt_tokens} tokens, k={args.max_tokens}, "
         f"accept {args.accept} + bonus; X-Session-ID {'off' if args.no_session_id else 'per conversation'}"
     )
