@@ -232,7 +232,12 @@ def dense_matmul_dtype() -> torch.dtype:
     AVX512-BF16), else fp32, since oneDNN's emulated bf16 matmul is slower than fp32 there."""
     if not Path("/proc/cpuinfo").exists():
         return INT4_KERNEL_DTYPE
-    return INT4_KERNEL_DTYPE if set(BF16_HARDWARE) & cpu_flags() else torch.float32
+    return INT4_KERNEL_DTYPE if has_bf16_hardware() else torch.float32
+
+
+def has_bf16_hardware() -> bool:
+    """Does this CPU multiply bf16 in hardware (AVX512-BF16 or AMX)?"""
+    return bool(set(BF16_HARDWARE) & cpu_flags())
 
 
 @functools.cache
@@ -414,8 +419,8 @@ class Int4Linear(nn.Module):
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, in) -> (M, out) on the INT4 kernel. A large layer (an lm_head over the vocabulary) takes its
         rows KERNEL_ROWS at a time: the CPU kernel streams the weight once per few rows, and beyond that the
-        weight falls out of cache (measured: 8 rows of a 151,936 x 512 head cost 2.6x four rows, two calls of
-        four 2x). The rows are independent either way."""
+        weight falls out of cache, so two calls of a few rows cost less than one of many (figures in
+        evidence/RESULTS.md). The rows are independent either way."""
         if self.on_cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed_weight, self.group_size, self.scales_and_offsets)
         multiply = functools.partial(

@@ -203,7 +203,7 @@ def train(
     )
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
-        if settings.bf16 and (device.type == "cuda" or set(int4.BF16_HARDWARE) & int4.cpu_flags())
+        if settings.bf16 and (device.type == "cuda" or int4.has_bf16_hardware())
         else nullcontext()
     )
     micro_batches = micro_batch_stream(train_examples, settings, distributed)
