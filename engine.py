@@ -175,10 +175,13 @@ class Decoder:
 
     @staticmethod
     def _to_host(tokens: torch.Tensor, counts: torch.Tensor, logprobs: list[torch.Tensor], n: int) -> Decoded:
-        """The call's one device -> host transfer (two with logprobs): tokens (n, steps) and counts (n,)."""
-        host = torch.cat([counts[:, None], tokens], dim=1).tolist()
-        drafted = [row[1 : 1 + row[0]] for row in host]
+        """The call's one device -> host transfer: counts (n,), tokens (n, steps) and, when asked for, their
+        logprobs (n, steps), as one float64 tensor (exact for token ids and fp32 logprobs alike)."""
+        steps = tokens.shape[1]
+        columns = [counts[:, None], tokens] + ([torch.stack(logprobs, dim=1)[:n]] if logprobs else [])
+        host = torch.cat([column.double() for column in columns], dim=1).tolist()
+        counted = [int(row[0]) for row in host]
+        drafted = [[int(t) for t in row[1 : 1 + count]] for row, count in zip(host, counted)]
         if not logprobs:
             return Decoded(drafted, None)
-        values = torch.stack(logprobs, dim=1)[:n].tolist()
-        return Decoded(drafted, [row[: len(d)] for row, d in zip(values, drafted)])
+        return Decoded(drafted, [row[1 + steps : 1 + steps + count] for row, count in zip(host, counted)])
