@@ -100,6 +100,9 @@ class TrainSettings:
     eval_every: int = 100  # optimizer steps between holdout tau measurements
     eval_batch_size: int = 8
     seed: int = 0
+    # micro-batches whose examples are drawn together and sorted by length before they are cut, so a batch
+    # pads to its own length instead of the epoch's longest (1: plain shuffled chunks)
+    length_groups: int = 1
     bf16: bool = True  # autocast on CUDA, and on a CPU with bf16 hardware
 
 
@@ -319,10 +322,26 @@ def micro_batch_stream(examples: list[dict], settings: TrainSettings, distribute
     while True:
         shuffler.shuffle(epoch_examples)
         mine = epoch_examples[distributed.rank :: distributed.world_size]
-        for first in range(0, len(mine) - settings.batch_size + 1, settings.batch_size):
-            yield mine[first : first + settings.batch_size]
         if len(mine) < settings.batch_size:
             yield mine
+        else:
+            yield from epoch_batches(mine, settings.batch_size, settings.length_groups, shuffler)
+
+
+def epoch_batches(examples: list[dict], batch_size: int, length_groups: int, shuffler: random.Random) -> list[list]:
+    """One epoch's full micro-batches of the shuffled `examples`. With length_groups > 1, each window of
+    length_groups batches is sorted by example length before it is cut and the batches are shuffled again, so
+    a batch holds examples of similar length (less padding) while windows still mix the whole epoch."""
+    window = batch_size * length_groups
+    batches = []
+    for start in range(0, len(examples), window):
+        chunk = examples[start : start + window]
+        if length_groups > 1:
+            chunk = sorted(chunk, key=lambda e: len(e["prompt_ids"]) + len(e["tokens"]))
+        batches += [chunk[first : first + batch_size] for first in range(0, len(chunk) - batch_size + 1, batch_size)]
+    if length_groups > 1:
+        shuffler.shuffle(batches)
+    return batches
 
 
 def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainSettings) -> None:
@@ -338,7 +357,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainSettings
 
 def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     settings = TrainSettings(**{name: getattr(args, name) for name in asdict(TrainSettings())})
-    for name in ("k", "batch_size", "grad_accum", "eval_every", "eval_batch_size"):
+    for name in ("k", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "length_groups"):
         if getattr(settings, name) < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
     if settings.lr <= 0 or settings.epochs <= 0:

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from tiny_models import make_hf_model, write_hf_checkpoint
 
 from evidence import common
 from evidence.gen_data import load_examples
-from evidence.train_drafter import distillation_loss, learning_rate_factor
+from evidence.train_drafter import distillation_loss, epoch_batches, learning_rate_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,6 +67,23 @@ def test_learning_rate_warms_up_then_decays_by_cosine():
     assert factors[4] == pytest.approx(1.0) and factors[20] == pytest.approx(0.1)
     assert factors[12] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
     assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+
+
+def test_length_groups_cut_padding_and_keep_every_full_batch_of_the_epoch():
+    lengths = random.Random(1).choices(range(4, 600), k=16 * 40 + 5)
+    examples = [{"id": i, "prompt_ids": [0] * n, "tokens": [1]} for i, n in enumerate(lengths)]
+
+    def padded_tokens(batches):
+        return sum(len(b) * max(len(e["prompt_ids"]) for e in b) for b in batches)
+
+    plain = epoch_batches(examples, 16, 1, random.Random(0))
+    grouped = epoch_batches(examples, 16, 8, random.Random(0))
+    assert [len(b) for b in plain] == [16] * 40 and [len(b) for b in grouped] == [16] * 40
+    assert [e["id"] for b in plain for e in b] == list(range(640))  # plain: the given order, cut in chunks
+    grouped_ids = [e["id"] for b in grouped for e in b]
+    assert len(set(grouped_ids)) == 640 and max(grouped_ids) < 640  # no example twice; the tail stays dropped
+    assert padded_tokens(grouped) < 0.7 * padded_tokens(plain)
+    assert grouped == epoch_batches(examples, 16, 8, random.Random(0))  # seeded: a resumed run sees the same batches
 
 
 @pytest.fixture(scope="module")
