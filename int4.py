@@ -7,7 +7,7 @@ int32 [K]. Nibble j of an int32 holds bits 4j..4j+3, and W[n, k] = scales[g[k], 
 
 One implementation of the 4-bit grid serves every writer and reader: `group_grid` (scale and zero of a
 group), `quantize` (values onto a grid) and `dequantize` (integers back to weights). GPTQ
-(evidence/gptq_drafter.py), the round-to-nearest baseline and the INT4 embedding table (`rtn_integers`,
+(evidence/quantize/gptq_drafter.py), the round-to-nearest baseline and the INT4 embedding table (`rtn_integers`,
 `rtn_quantize`) are built from them and write with `gptq_pack`; the loader reads with `gptq_integers` /
 `gptq_dequantize`; `Int4Linear` holds a layer in the kernel's layout.
 """

@@ -1,6 +1,6 @@
 """The integrity manifest of a model package: checksums.json holds the sha256 of every other file in it.
 
-The package writers (evidence/make_random_package.py, gptq_drafter.py, lora_after_gptq.py) call
+The package writers (evidence/quantize/make_random_package.py, gptq_drafter.py, lora_after_gptq.py) call
 `write_manifest` once the files are in place; checkpoint.load_weights calls `verify_manifest` before it
 reads anything, so a flipped bit or a swapped file is refused instead of drafting from damaged weights.
 After changing a file of a package by hand (a model card, say), write its manifest again:

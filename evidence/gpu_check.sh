@@ -16,4 +16,4 @@ if ! python3 -c "import torch, transformers, safetensors; raise SystemExit(not t
     python="$repo/.venv/bin/python"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec "$python" "$repo/evidence/gpu_check.py" "$@"
+exec "$python" "$repo/evidence/bench/gpu_check.py" "$@"

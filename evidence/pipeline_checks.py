@@ -17,7 +17,7 @@ import torch
 import int4
 from evidence import common
 from evidence.inventory import PROJECTIONS, compact, package_inventory
-from evidence.make_random_package import projection_shapes
+from evidence.quantize.make_random_package import projection_shapes
 
 
 @dataclass

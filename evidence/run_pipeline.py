@@ -47,20 +47,14 @@ from transformers import AutoModelForCausalLM
 
 import checkpoint
 import draft_model
-from evidence import (
-    add_aya,
-    common,
-    gen_data,
-    gptq_drafter,
-    lora_after_gptq,
-    magpie_prompts,
-    pipeline_checks,
-    prepare_prompts,
-    train_drafter,
-)
-from evidence.gen_data import generate_transformers, load_examples
+from evidence import common, pipeline_checks
+from evidence.measure.tau import offline_tau
 from evidence.packages import dequantized_model
-from evidence.tau import offline_tau
+from evidence.prompts import add_aya, magpie_prompts, prepare_prompts
+from evidence.quantize import gptq_drafter, lora_after_gptq
+from evidence.teacher import gen_data
+from evidence.teacher.gen_data import generate_transformers, load_examples
+from evidence.train import train_drafter
 
 STAGES = ("prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data")
 SCRIPTS = {  # the evidence script behind each stage, run in this process (or under a launcher by name)
@@ -130,14 +124,14 @@ def lock_models(config_path: Path, config: dict, logger, architecture: Path | No
 @dataclass
 class Stage:
     name: str
-    module: str  # the evidence script
+    module: str  # the evidence script (a key of SCRIPTS)
     argv: list[str]
     inputs: list  # paths, or model names with revisions
     outputs: list[Path]  # the first is where the script writes (its JSON report lies beside it)
     launcher: list[str] | None = None  # e.g. torchrun; default: in this process
 
     def command(self) -> list[str]:
-        return (self.launcher or ["python"]) + ["-m", f"evidence.{self.module}", *self.argv]  # from the repo root
+        return (self.launcher or ["python"]) + ["-m", SCRIPTS[self.module].__name__, *self.argv]  # from the repo root
 
 
 class Pipeline:

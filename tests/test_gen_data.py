@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from tiny_models import make_hf_model, write_hf_checkpoint
 
-from evidence import common, gen_data
+from evidence import common
+from evidence.teacher import gen_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +115,7 @@ def test_killed_run_leaves_no_partial_shard_and_resumes(setup, tmp_path):
     the result equals an uninterrupted run."""
     out = tmp_path / "killed"
     run_argv = argv(setup, out, shard_size=1, new_tokens=32) + ["--limit", "12"]
-    command = [sys.executable, "-m", "evidence.gen_data", *run_argv]
+    command = [sys.executable, "-m", "evidence.teacher.gen_data", *run_argv]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (out / "shard-00002.safetensors").exists() and process.poll() is None and time.time() < deadline:

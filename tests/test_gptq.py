@@ -1,11 +1,12 @@
-"""GPTQ (evidence/gptq_drafter.py) against round-to-nearest on real layer activations, and its package tensors."""
+"""GPTQ (evidence/quantize/gptq_drafter.py) against round-to-nearest on real layer activations, and its
+package tensors."""
 
 import pytest
 import torch
 from tiny_models import make_hf_model
 
 import int4
-from evidence.gptq_drafter import (
+from evidence.quantize.gptq_drafter import (
     SEQUENTIAL_GROUPS,
     QuantSettings,
     collect_hessians,
@@ -142,7 +143,7 @@ def test_a_gptq_package_loads_as_the_weights_gptq_wrote(tmp_path):
     """The pipeline's writer (gptq_drafter.package_tensors / write_package) and draft_model's loader agree:
     every projection of a package loads, densely, as exactly the GPTQ weights, flat groups included."""
     import draft_model
-    from evidence.gptq_drafter import package_tensors, quant_config, write_package
+    from evidence.quantize.gptq_drafter import package_tensors, quant_config, write_package
 
     model = make_hf_model("qwen3", seed=5)
     quantized = {}
@@ -163,7 +164,7 @@ def test_a_gptq_package_loads_as_the_weights_gptq_wrote(tmp_path):
 def test_gptq_table_beats_round_to_nearest_on_held_out_logits():
     """The tied table as the lm_head: GPTQ with the Hessian of the head's inputs (the pipeline's own
     head_hessian) gives smaller held-out logit errors than round-to-nearest, on int4's grid both."""
-    from evidence.gptq_drafter import head_hessian, quantize_embedding
+    from evidence.quantize.gptq_drafter import head_hessian, quantize_embedding
 
     model = make_hf_model("qwen3", seed=22, hidden_size=128, intermediate_size=256, head_dim=32)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -1,10 +1,10 @@
-"""evidence/gpu_check.py: its exactness check runs anywhere; the whole check, GPU against CPU, on a GPU."""
+"""evidence/bench/gpu_check.py: its exactness check runs anywhere; the whole check, GPU against CPU, on a GPU."""
 
 from pathlib import Path
 
 import pytest
 
-from evidence import gpu_check
+from evidence.bench import gpu_check
 
 MODEL = Path(__file__).resolve().parents[1] / "model"
 

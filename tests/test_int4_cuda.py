@@ -1,6 +1,6 @@
 """Packed INT4 on CUDA, checked without a GPU: the repacking is pure functions tested on exact integers, and
 the loader's wiring is checked with the two CUDA-only operators recorded. The kernel's numbers are the GPU
-check's business (evidence/gpu_check.py)."""
+check's business (evidence/bench/gpu_check.py)."""
 
 from pathlib import Path
 

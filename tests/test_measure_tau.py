@@ -1,5 +1,5 @@
-"""evidence/measure_tau.py against a tiny random Qwen3 target, with a perturbed copy of it as the drafter:
-lossless output, agreement with the offline estimator (evidence/tau.py) and with transformers assisted
+"""evidence/measure/measure_tau.py against a tiny random Qwen3 target, with a perturbed copy of it as the drafter:
+lossless output, agreement with the offline estimator (evidence/measure/tau.py) and with transformers assisted
 generation, the same figures over HTTP as in process, hybrid drafting, the n-gram baseline, chat and
 MT-bench prompts, and the plot."""
 
@@ -13,10 +13,10 @@ from live_server import start_server, stop_server
 from pipeline_fixtures import perturbed_copy, write_tokenizer
 from tiny_models import make_hf_model, write_hf_checkpoint
 
-from evidence import measure_tau
-from evidence.gen_data import generate_transformers
-from evidence.prepare_prompts import encode, load_tokenizer
-from evidence.tau import offline_tau
+from evidence.measure import measure_tau
+from evidence.measure.tau import offline_tau
+from evidence.prompts.prepare_prompts import encode, load_tokenizer
+from evidence.teacher.gen_data import generate_transformers
 
 K = 6
 MAX_NEW_TOKENS = 24
@@ -123,10 +123,10 @@ def test_ngram_baseline_runs(models, tmp_path):
 
 
 def test_category_replay_equals_the_live_harness(models, tmp_path):
-    """evidence/category_tau.py replays model, prompt-lookup and hybrid drafting offline from the target's
+    """evidence/measure/category_tau.py replays model, prompt-lookup and hybrid drafting offline from the target's
     greedy continuations; its counts must equal the live loop's for each drafter."""
-    from evidence.category_tau import category_table
-    from evidence.tau import teacher_forced_argmax
+    from evidence.measure.category_tau import category_table
+    from evidence.measure.tau import teacher_forced_argmax
 
     report = run_harness(
         models, tmp_path, "--drafter", str(models["close_dir"]), "--hybrid", "2", "--baselines", "ngram"

@@ -1,4 +1,4 @@
-"""evidence/mtbench_second_turns.py on a tiny target and a word-level chat tokenizer: the second-turn set,
+"""evidence/prompts/mtbench_second_turns.py on a tiny target and a word-level chat tokenizer: the second-turn set,
 labelled by gen_data.py and replayed by category_tau.py, gives exactly the counts of measure_tau.py's live
 --turns 2 harness; bad input is refused in one line."""
 
@@ -10,9 +10,12 @@ import pytest
 from pipeline_fixtures import perturbed_copy, write_tokenizer
 from tiny_models import make_hf_model, write_hf_checkpoint
 
-from evidence import category_tau, common, gen_data, measure_tau, mtbench_second_turns
-from evidence.prepare_prompts import load_tokenizer
-from evidence.smollm2_models import mtbench_prompts
+from evidence import common
+from evidence.measure import category_tau, measure_tau
+from evidence.prompts import mtbench_second_turns
+from evidence.prompts.prepare_prompts import load_tokenizer
+from evidence.prompts.smollm2_models import mtbench_prompts
+from evidence.teacher import gen_data
 
 ROOT = Path(__file__).resolve().parents[1]
 K, NEW_TOKENS = 6, 10
@@ -130,7 +133,7 @@ def test_answers_to_other_prompts_are_refused(turns):
 
 
 def test_missing_file_is_one_line_on_the_command_line(turns, tmp_path):
-    command = [sys.executable, "-m", "evidence.mtbench_second_turns", "--prompts", str(tmp_path / "none.jsonl")]
+    command = [sys.executable, "-m", "evidence.prompts.mtbench_second_turns", "--prompts", str(tmp_path / "none.jsonl")]
     command += ["--questions", str(turns["questions"]), "--answers", str(turns["answers"])]
     command += ["--tokenizer", str(turns["tokenizer"]), "--out", str(tmp_path / "out.jsonl")]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

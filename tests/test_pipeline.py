@@ -17,8 +17,9 @@ from safetensors import safe_open
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 import draft_model
-from evidence import common, prepare_prompts, run_pipeline
+from evidence import common, run_pipeline
 from evidence.inventory import file_inventory, package_inventory
+from evidence.prompts import prepare_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "evidence" / "configs" / "tiny.json"
@@ -265,7 +266,7 @@ def test_prompts_take_the_user_turn_in_the_chat_template(pipeline_run):
 
 
 def run_magpie(inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
-    from evidence import magpie_prompts
+    from evidence.prompts import magpie_prompts
 
     return magpie_prompts.main(
         [
@@ -295,7 +296,7 @@ def run_magpie(inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
 
 
 def test_magpie_prompts_are_reproducible_resumable_new_and_templated(inputs, pipeline_run, tmp_path):
-    from evidence.magpie_prompts import normalized, user_text
+    from evidence.prompts.magpie_prompts import normalized, user_text
 
     existing = pipeline_run["work"] / "prompts_aya.jsonl"
     first = run_magpie(inputs, existing, tmp_path / "a.jsonl", "--exclude", str(inputs["eval_prompts"]))
@@ -323,7 +324,7 @@ def test_magpie_prompts_are_reproducible_resumable_new_and_templated(inputs, pip
 
 
 def test_magpie_categories_steer_each_round_and_tag_the_prompts(inputs, pipeline_run, tmp_path):
-    from evidence.magpie_prompts import round_steering, user_prefix_ids
+    from evidence.prompts.magpie_prompts import round_steering, user_prefix_ids
 
     categories = {
         "story": {"system": "you write a long story", "openers": ["tell me", "write a"]},
@@ -444,7 +445,7 @@ def test_command_line_refusal_is_one_message_and_exit_status_2(inputs, tmp_path)
         [
             sys.executable,
             "-m",
-            "evidence.prepare_prompts",
+            "evidence.prompts.prepare_prompts",
             "--manifest",
             str(manifest),
             "--mirror",
@@ -580,7 +581,7 @@ def test_student_from_a_subset_of_teacher_layers(tmp_path):
     """smollm2_models.layer_subset: the kept layers, renumbered, with the teacher's embeddings and norm."""
     from transformers import AutoModelForCausalLM
 
-    from evidence.smollm2_models import layer_subset
+    from evidence.prompts.smollm2_models import layer_subset
 
     teacher = make_hf_model("llama", seed=5, num_hidden_layers=3)
     layer_subset(teacher, [0, 2], tmp_path / "student")

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from pipeline_fixtures import write_tokenizer
 
-from evidence import common, gen_data, prepare_sharegpt
-from evidence.prepare_prompts import encode, load_tokenizer
+from evidence import common
+from evidence.prompts import prepare_sharegpt
+from evidence.prompts.prepare_prompts import encode, load_tokenizer
+from evidence.teacher import gen_data
 
 MTBENCH_TURN = "write a story about the old man who found water under the big tree near his house"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from evidence import make_random_package
+from evidence.quantize import make_random_package
 
 STARTUP_TIMEOUT_S = 300  # includes serve.sh installing vllm-router on a first run
 FAILOVER_LIMIT_S = 15  # three failed 1 s health checks, plus retries and a cold prefill, on a loaded machine

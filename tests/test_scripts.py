@@ -1,4 +1,4 @@
-"""What every evidence script shares: `python -m evidence.NAME --help` works and names the command, and
+"""What every evidence script shares: `python -m evidence.STAGE.NAME --help` works and names the command, and
 records are written into shared JSON files under their own (dotted) key."""
 
 import json
@@ -14,9 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def evidence_scripts() -> list[str]:
-    """Every script in evidence/ (a module that runs as __main__), by module name."""
+    """Every script in evidence/ and its stage folders (a module that runs as __main__), by module name
+    below evidence (`gen_data` in evidence/teacher/ is `teacher.gen_data`)."""
     return sorted(
-        path.stem for path in (ROOT / "evidence").glob("*.py") if 'if __name__ == "__main__":' in path.read_text()
+        ".".join(path.relative_to(ROOT / "evidence").with_suffix("").parts)
+        for path in (ROOT / "evidence").glob("**/*.py")
+        if 'if __name__ == "__main__":' in path.read_text()
     )
 
 
@@ -41,14 +44,18 @@ def test_every_script_has_help():
     """`python -m evidence.NAME --help` for every script (run as python -m runs it, from the repo root, in
     one fresh process so torch is imported once): exit status 0 and the docstring with the script's command."""
     scripts = evidence_scripts()
-    assert {"run_pipeline", "gen_data", "measure_tau", "bench_draft"} <= set(scripts)  # the glob found them
+    assert {"run_pipeline", "teacher.gen_data", "measure.measure_tau", "bench.bench_draft"} <= set(
+        scripts
+    )  # the glob found them
     result = subprocess.run(
         [sys.executable, "-c", HELP_RUNNER, *scripts], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-2000:]
     for name, (code, out) in json.loads(result.stdout.splitlines()[-1]).items():
         assert code == 0, (name, code)
-        assert f"evidence.{name}" in out or f"evidence/{name}.py" in out, name  # the command to run it
+        assert f"evidence.{name}" in out or f"evidence/{name.replace('.', '/')}.py" in out, (
+            name
+        )  # the command to run it
 
 
 def test_records_nest_under_a_dotted_key():

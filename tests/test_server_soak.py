@@ -1,4 +1,4 @@
-"""evidence/soak.py against a server on the tiny checkpoint: mixed valid, invalid and abandoned requests at
+"""evidence/bench/soak.py against a server on the tiny checkpoint: mixed valid, invalid and abandoned requests at
 concurrency 32. Slow (minutes): run with `pytest -m slow tests/test_server_soak.py`."""
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from evidence import soak
+from evidence.bench import soak
 
 
 @pytest.mark.slow

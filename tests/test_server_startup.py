@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 import draft_model
 import package_manifest
 import server_settings
-from evidence import make_random_package
+from evidence.quantize import make_random_package
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

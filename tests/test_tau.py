@@ -1,12 +1,12 @@
-"""The offline tau estimator (evidence/tau.py) against a real greedy draft-and-verify loop."""
+"""The offline tau estimator (evidence/measure/tau.py) against a real greedy draft-and-verify loop."""
 
 import pytest
 import torch
 from pipeline_fixtures import perturbed_copy
 from tiny_models import make_hf_model
 
-from evidence.gen_data import generate_transformers
-from evidence.tau import committed_per_step, offline_tau, tau_from_matches
+from evidence.measure.tau import committed_per_step, offline_tau, tau_from_matches
+from evidence.teacher.gen_data import generate_transformers
 
 
 @torch.no_grad()

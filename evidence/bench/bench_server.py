@@ -20,7 +20,7 @@ then comes from the first replica that the router's GET /list_workers names.
 Start a server first (another terminal), then:
 
     ./serve.sh
-    .venv/bin/python evidence/bench_server.py --url http://127.0.0.1:8000 --concurrency 1 4 16 64 --requests 512
+    .venv/bin/python evidence/bench/bench_server.py --url http://127.0.0.1:8000 --concurrency 1 4 16 64 --requests 512
 """
 
 import argparse

@@ -1,18 +1,18 @@
 """Generate greedily with vLLM in one speculation setting and write what happened as JSON: the engine half of
-evidence/bench_vllm.py and tests/test_vllm_engine.py. It runs in the engine's virtual environment (.venv-engine,
+evidence/bench/bench_vllm.py and tests/test_vllm_engine.py. It runs in the engine's virtual environment (.venv-engine,
 made by scripts/engine_venv.sh), imports nothing from this project but vllm_proposer.py, which vLLM loads itself.
 
 Reads: --target (a Hugging Face model directory with its tokenizer; vLLM needs a config.json without
-quantization_config), --prompts (JSONL rows with "id" and "token_ids", as evidence/smollm2_models.py writes
+quantization_config), --prompts (JSONL rows with "id" and "token_ids", as evidence/prompts/smollm2_models.py writes
 mtbench_prompts.jsonl). For --method draft_model, --draft (an HF directory of the drafter, same vocabulary).
 For --method server, the draft server at DRAFT_SERVER_URL (see vllm_proposer.py for its other settings).
 Writes: --out, JSON with the wall time of the timed generate call, every output's token ids, text and finish
 reason, and vLLM's own speculation counters over that call (drafts, draft tokens, accepted tokens, accepted
 tokens per position). A short warm-up generate runs first and is not timed.
 
-    .venv-engine/bin/python evidence/vllm_run.py --method none --target SMALL/target \
+    .venv-engine/bin/python evidence/bench/vllm_run.py --method none --target SMALL/target \
         --prompts SMALL/mtbench_prompts.jsonl --count 20 --max-tokens 96 --out none.json
-    DRAFT_SERVER_URL=http://127.0.0.1:8000 .venv-engine/bin/python evidence/vllm_run.py --method server --k 16 ...
+    DRAFT_SERVER_URL=http://127.0.0.1:8000 .venv-engine/bin/python evidence/bench/vllm_run.py --method server --k 16 ...
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("none", "ngram", "draft_model", "server")
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",

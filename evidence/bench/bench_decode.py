@@ -16,7 +16,7 @@ Reads --gguf; writes the converted checkpoint and the package under --work (reus
 with --json, the figures.
 
     pip install -e '.[bench]'
-    python -m evidence.bench_decode --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work WORK --threads 1 2
+    python -m evidence.bench.bench_decode --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work WORK --threads 1 2
 """
 
 import argparse

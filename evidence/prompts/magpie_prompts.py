@@ -22,7 +22,7 @@ settings continues after the last one. Rounds continue until --count prompts are
 Writes OUT = PROMPTS + the new prompts (id "magpie:ROUND:ROW", source "magpie"), OUT.magpie_prompts.json
 (settings, seed, counts of what was dropped and why) and the log OUT.magpie_prompts.log.
 
-    python -m evidence.magpie_prompts --prompts WORK/prompts_base.jsonl --teacher TEACHER_DIR \
+    python -m evidence.prompts.magpie_prompts --prompts WORK/prompts_base.jsonl --teacher TEACHER_DIR \
         --tokenizer TOKENIZER_DIR --count 3000 --seed 0 --out WORK/prompts.jsonl \
         [--categories evidence/configs/magpie_categories.json]
 """
@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from evidence import common
-from evidence.prepare_prompts import PromptCollector, add_template_arguments, load_tokenizer
+from evidence.prompts.prepare_prompts import PromptCollector, add_template_arguments, load_tokenizer
 
 SOURCE = "magpie"
 SENTINEL = "\x00MAGPIE_USER_TURN\x00"
@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     check_args(args)
     logger = common.setup_logging(common.log_path_beside(args.out, "magpie_prompts"), "magpie_prompts")
-    logger.info("command: python -m evidence.magpie_prompts %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info(
+        "command: python -m evidence.prompts.magpie_prompts %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
     existing = common.read_jsonl(args.prompts)
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
     teacher, revision = common.resolve_model(args.teacher, args.teacher_revision)

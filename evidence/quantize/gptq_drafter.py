@@ -23,7 +23,7 @@ model_int4.safetensors (packed with int4.gptq_pack), model_card.json; beside it
 PACKAGE_DIR.gptq_drafter.json (holdout tau of the student and of INT4, top-1 agreement INT4 vs student)
 and the log PACKAGE_DIR.gptq_drafter.log.
 
-    python -m evidence.gptq_drafter --student WORK/student --data WORK/data --out WORK/package \
+    python -m evidence.quantize.gptq_drafter --student WORK/student --data WORK/data --out WORK/package \
         --group-size 128 --sym --act-order --static-groups --calib-samples 256 --k 16
 """
 
@@ -44,8 +44,8 @@ import checkpoint
 import int4
 import package_manifest
 from evidence import common
-from evidence.gen_data import load_examples
-from evidence.tau import argmax_agreement, tau_from_matches, teacher_forced_argmax
+from evidence.measure.tau import argmax_agreement, tau_from_matches, teacher_forced_argmax
+from evidence.teacher.gen_data import load_examples
 
 # Sub-layers quantized in this order; each group's Hessians see the earlier groups already quantized.
 SEQUENTIAL_GROUPS = (
@@ -452,7 +452,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"need --damp-percent in [0, 1), --calib-samples >= 1, --k >= 1; got {args.damp_percent}, {args.calib_samples}, {args.k}"
         )
     logger = common.setup_logging(common.log_path_beside(args.out, "gptq_drafter"), "gptq_drafter")
-    logger.info("command: python -m evidence.gptq_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info(
+        "command: python -m evidence.quantize.gptq_drafter %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
     if not (args.student / "config.json").is_file():
         raise common.UserError(f"--student {args.student} is not a model directory (no config.json)")
     settings = QuantSettings(args.group_size, args.sym, args.act_order, args.damp_percent, args.static_groups)

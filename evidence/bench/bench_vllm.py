@@ -1,7 +1,7 @@
 """vLLM generating with this draft server, beside vLLM's own proposers, on the same prompts in one run.
 
 The target is SmolLM2-135M-Instruct in vLLM (CPU build, fp32, greedy); the prompts are MT-bench first turns.
-Each setting runs in its own vLLM process (evidence/vllm_run.py in .venv-engine, made by scripts/engine_venv.sh):
+Each setting runs in its own vLLM process (evidence/bench/vllm_run.py in .venv-engine, made by scripts/engine_venv.sh):
 
     none          no speculation: the baseline every other setting's text must equal
     ngram         vLLM's prompt-lookup proposer (n-grams of 2..5 tokens)
@@ -18,13 +18,13 @@ that position / drafts), and how many outputs equal the no-speculation output to
 each setting runs R times (each time its own vLLM process, the settings interleaved) and the table shows the run
 with the median wall; bench_vllm.json keeps every wall.
 
-Reads: --small (evidence/smollm2_models.py's output: teacher/, tokenizer/, mtbench_prompts.jsonl) and --package
+Reads: --small (evidence/prompts/smollm2_models.py's output: teacher/, tokenizer/, mtbench_prompts.jsonl) and --package
 (default model/). Writes into --work: target/ (teacher + tokenizer), draft/ (the package as an HF directory),
 one JSON per setting, bench_vllm.json (all figures) and the server's log; prints the table (markdown).
 
-    .venv/bin/python -m evidence.smollm2_models --cache-dir CACHE --out SMALL
+    .venv/bin/python -m evidence.prompts.smollm2_models --cache-dir CACHE --out SMALL
     scripts/engine_venv.sh
-    .venv/bin/python -m evidence.bench_vllm --small SMALL --work WORK --count 20 --max-tokens 96 --k 16
+    .venv/bin/python -m evidence.bench.bench_vllm --small SMALL --work WORK --count 20 --max-tokens 96 --k 16
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ import torch
 from evidence import common, packages
 
 ENGINE_PYTHON = common.REPO_ROOT / ".venv-engine" / "bin" / "python"
-RUNNER = common.REPO_ROOT / "evidence" / "vllm_run.py"
+RUNNER = common.REPO_ROOT / "evidence" / "bench" / "vllm_run.py"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", type=Path, required=True, help="output of evidence/smollm2_models.py")
+    parser.add_argument("--small", type=Path, required=True, help="output of evidence/prompts/smollm2_models.py")
     parser.add_argument("--package", type=Path, default=common.REPO_ROOT / "model", help="the drafter package")
     parser.add_argument("--work", type=Path, required=True, help="working directory for models and results")
     parser.add_argument("--count", type=int, default=20, help="MT-bench prompts (first turns, in file order)")
@@ -90,7 +90,9 @@ def prepare_target(small: Path, work: Path) -> Path:
     """work/target: the teacher with its tokenizer in one directory, as vLLM wants it."""
     for needed in (small / "teacher" / "config.json", small / "tokenizer" / "tokenizer.json"):
         if not needed.is_file():
-            raise common.UserError(f"--small {small} lacks {needed.relative_to(small)}: run evidence.smollm2_models")
+            raise common.UserError(
+                f"--small {small} lacks {needed.relative_to(small)}: run evidence.prompts.smollm2_models"
+            )
     target = work / "target"
     if not target.is_dir():
         with common.atomic_directory(target) as staging:
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     logger = common.setup_logging(args.work / "bench_vllm.log", "bench_vllm")
-    logger.info("command: python -m evidence.bench_vllm %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.bench.bench_vllm %s", " ".join(sys.argv[1:] if argv is None else argv))
     if not args.engine_python.is_file():
         raise common.UserError(f"{args.engine_python} does not exist: run scripts/engine_venv.sh first")
     prompts = args.small / "mtbench_prompts.jsonl"

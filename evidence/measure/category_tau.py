@@ -15,7 +15,7 @@ Reads: DATA (gen_data.py shards of the measurement prompts, e.g. MT-bench with -
 model package, INT4 dequantized and LoRA merged, or a Hugging Face directory). Writes a markdown table on
 stdout and, with --json, the figures (atomically).
 
-    python -m evidence.category_tau --data WORK/eval64 --prompts SMALL/mtbench_prompts.jsonl \
+    python -m evidence.measure.category_tau --data WORK/eval64 --prompts SMALL/mtbench_prompts.jsonl \
         --drafter model --k 16 --hybrid 2 --json OUT/category_tau.json
 """
 
@@ -30,10 +30,10 @@ import torch
 
 import draft_model
 from evidence import common
-from evidence.gen_data import load_examples
-from evidence.measure_tau import ngram_drafter
+from evidence.measure.measure_tau import ngram_drafter
+from evidence.measure.tau import teacher_forced_argmax
 from evidence.packages import load_any_model
-from evidence.tau import teacher_forced_argmax
+from evidence.teacher.gen_data import load_examples
 
 # A proposer: (context, position in the continuation, most tokens) -> the proposed tokens.
 Proposer = Callable[[list[int], int, int], list[int]]

@@ -36,7 +36,7 @@ for architecture.json) of that JSON record, leaving its other keys as they are.
 Exit status: 0; 2 for a user error; 1 when --check finds a committed token that differs from the
 target's greedy output (each mismatch is logged with prompt index, position and both tokens).
 
-    python -m evidence.measure_tau --target SMALL/teacher --tokenizer SMALL/tokenizer \
+    python -m evidence.measure.measure_tau --target SMALL/teacher --tokenizer SMALL/tokenizer \
         --mtbench SMALL/mtbench_question.jsonl --drafter model --drafter SMALL/student_init \
         --drafter WORK/student --drafter-without-lora model --hybrid 4 --baselines ngram assisted \
         --k 16 --max-new-tokens 128 --check --json OUT/tau.json --plot OUT/tau.png
@@ -62,9 +62,7 @@ from tqdm import tqdm
 import draft_model
 from checkpoint import DTYPES
 from evidence import common
-from evidence.packages import load_any_model
-from evidence.prepare_prompts import encode, load_tokenizer
-from evidence.spec_loop import (
+from evidence.measure.spec_loop import (
     DraftFn,
     SpeculativeRun,
     assisted_generate,
@@ -72,6 +70,8 @@ from evidence.spec_loop import (
     speculative_generate,
     target_greedy,
 )
+from evidence.packages import load_any_model
+from evidence.prompts.prepare_prompts import encode, load_tokenizer
 
 BASELINES = ("ngram", "assisted")
 NGRAM_MAX = 3  # the n-gram baseline matches the last 1..3 tokens
@@ -225,7 +225,7 @@ def write_record(path: Path, report: dict, argv: list[str] | None, key: str = "m
     """The report without per-prompt outputs, and the command, under `key` of a JSON record (dots nest)."""
     record = common.read_json(path, "record") if path.exists() else {}
     runs = [{key: value for key, value in run.items() if key != "outputs"} for run in report["runs"]]
-    command = "python -m evidence.measure_tau " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m evidence.measure.measure_tau " + shlex.join(sys.argv[1:] if argv is None else argv)
     table = {name: value for name, value in report.items() if name != "runs"}
     common.set_dotted(record, key, {**table, "runs": runs, "command": command})
     common.atomic_write_json(path, record)
@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_logger(json_path: Path | None) -> logging.Logger:
     if json_path is not None:
         return common.setup_logging(common.log_path_beside(json_path, "measure_tau"), "measure_tau")
-    logger = logging.getLogger("evidence.measure_tau")
+    logger = logging.getLogger("evidence.measure.measure_tau")
     if not logger.handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return logger

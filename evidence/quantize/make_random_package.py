@@ -19,7 +19,7 @@ are drawn in floating point and rounded to nearest onto the 4-bit grid (no GPTQ 
 is nothing to preserve in random weights). Then the package is loaded back with draft_model and drafts
 once, so a broken package never lands.
 
-    python -m evidence.make_random_package --output model --force
+    python -m evidence.quantize.make_random_package --output model --force
 """
 
 import argparse
@@ -258,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = "python -m evidence.make_random_package " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m evidence.quantize.make_random_package " + " ".join(sys.argv[1:] if argv is None else argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{args.output.name}.tmp-", dir=args.output.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the package is meant to be read by anyone

@@ -13,7 +13,7 @@ Files come from a local mirror laid out as MIRROR/<repo>/<path in repo> (--mirro
 the pinned commit (--cache-dir). A source that is not locked is refused; with --lock (and hub access)
 it is resolved and its commit, files, sha256 and rows are written into the manifest first.
 
-    python -m evidence.prepare_prompts --manifest data_manifest.json --tokenizer Qwen/Qwen3-8B \
+    python -m evidence.prompts.prepare_prompts --manifest data_manifest.json --tokenizer Qwen/Qwen3-8B \
         --tokenizer-revision COMMIT --sources no_robots gsm8k tulu_code tulu_if \
         --cache-dir ~/.cache/evidence --max-prompt-tokens 1024 --out WORK/prompts.jsonl
 """
@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.max_prompt_tokens < 1:
         raise common.UserError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
     logger = common.setup_logging(common.log_path_beside(args.out, "prepare_prompts"), "prepare_prompts")
-    logger.info("command: python -m evidence.prepare_prompts %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info(
+        "command: python -m evidence.prompts.prepare_prompts %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
     collector = PromptCollector(tokenizer, args.enable_thinking, args.max_prompt_tokens)
     prompts = []

@@ -21,9 +21,9 @@ temporary name and renamed when complete, so a killed run leaves no partial shar
 shard whose settings match and refuses one made with different settings. Greedy decoding with a fixed
 batch composition makes the output deterministic on a given machine.
 
-    python -m evidence.gen_data --prompts WORK/prompts.jsonl --teacher Qwen/Qwen3-8B \
+    python -m evidence.teacher.gen_data --prompts WORK/prompts.jsonl --teacher Qwen/Qwen3-8B \
         --teacher-revision COMMIT --out WORK/data --max-new-tokens 512 --backend vllm
-    python -m evidence.gen_data --prompts WORK/sharegpt.jsonl --teacher SMALL/teacher --top-k 0 \
+    python -m evidence.teacher.gen_data --prompts WORK/sharegpt.jsonl --teacher SMALL/teacher --top-k 0 \
         --dtype bfloat16 --threads 1 --batch-size 64 --shard-size 256 --max-new-tokens 128 \
         --out evidence/data/sharegpt_labels              # one process per core: --workers N --worker I
 
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     check_args(args)
     logger = common.setup_logging(common.log_path_beside(args.out, "gen_data"), "gen_data")
-    logger.info("command: python -m evidence.gen_data %s", " ".join(sys.argv[1:] if argv is None else argv))
+    logger.info("command: python -m evidence.teacher.gen_data %s", " ".join(sys.argv[1:] if argv is None else argv))
     teacher, revision = common.resolve_model(args.teacher, args.teacher_revision)
     rows = common.read_jsonl(args.prompts)[: args.limit]
     if not rows:

@@ -1,0 +1,3 @@
+"""Stage train: distillation of the drafter. Reads the base (student) model and the teacher's shards (or,
+with --teacher, the teacher itself to recompute its top-k per batch); writes the Hugging Face checkpoint with
+the best holdout tau, its `.train_drafter.json` report and, with --checkpoint-every, a resumable checkpoint."""
