@@ -29,6 +29,11 @@ LAYERS = [
 ]
 # Modules outside the layers: they import no project module at all.
 STANDALONE = {"vllm_proposer": {"httpx"}}  # the engine-side client: the standard library and these packages only
+# evidence/: the shared library and the driver at the top, every script in the folder of its stage
+# (evidence/README.md's table); the shared library imports no stage.
+EVIDENCE_LIBRARY = {"__init__", "common", "packages", "inventory"}
+EVIDENCE_DRIVER = {"run_pipeline", "pipeline_checks"}
+EVIDENCE_STAGES = {"prompts", "teacher", "train", "quantize", "measure", "bench"}
 
 
 def tracked_python_files() -> list[Path]:
@@ -57,6 +62,26 @@ def test_top_level_modules_import_only_the_layers_below_them():
 def test_no_project_module_imports_evidence_or_tests():
     for module in LAYERS:
         assert not imported_modules(REPO / f"{module}.py") & {"evidence", "tests"}, module
+
+
+def test_evidence_keeps_the_library_and_the_driver_at_the_top_and_each_script_in_its_stage():
+    evidence = REPO / "evidence"
+    assert {path.stem for path in evidence.glob("*.py")} == EVIDENCE_LIBRARY | EVIDENCE_DRIVER
+    assert {path.parent.name for path in evidence.glob("*/*.py")} == EVIDENCE_STAGES
+    for stage in EVIDENCE_STAGES:  # what the stage reads and writes
+        assert ast.get_docstring(ast.parse((evidence / stage / "__init__.py").read_text())), stage
+    for module in EVIDENCE_LIBRARY:
+        # full dotted names: `from evidence.x import y` and `from evidence import x` both name evidence.x
+        imported = set()
+        for node in ast.walk(ast.parse((evidence / f"{module}.py").read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        stages = sorted(
+            name for name in imported if name.startswith("evidence.") and name.split(".")[1] in EVIDENCE_STAGES
+        )
+        assert not stages, f"evidence/{module}.py imports the stage modules {stages}"
 
 
 def test_every_top_level_module_is_in_the_layers_or_standalone():
