@@ -47,6 +47,7 @@ import draft_model  # noqa: E402
 import engine  # noqa: E402
 import int4  # noqa: E402
 import transformer  # noqa: E402
+from planning import SLOTS_PER_ROW  # noqa: E402
 
 SHAPES = {  # make_random_package.py flags; real Qwen3 vocabulary, tied embeddings, group 128
     "qwen3-180m": "--hidden-size 512 --intermediate-size 2048 --layers 24 --heads 8 --kv-heads 4 --head-dim 64",
@@ -269,7 +270,7 @@ def print_profile(shape: str, path: str, batch: int, context: int, parts: dict) 
 def load_ours(package: Path, args: argparse.Namespace) -> tuple[dict, draft_model.Drafter]:
     """Our drafters on the paths asked for (--ours), and the dense fp32 one the transformers models copy."""
     max_context = max(args.contexts) + DRAFT_TOKENS + ACCEPTED + 1
-    slots = 2 * max(*args.batch_sizes, AGREEMENT_ROWS)
+    slots = SLOTS_PER_ROW * max(*args.batch_sizes, AGREEMENT_ROWS)
     load = {
         "packed": {},
         "packed+q-head": {"quantize_lm_head": True},
