@@ -71,6 +71,7 @@ from evidence.measure.spec_loop import (
     target_greedy,
 )
 from evidence.packages import load_any_model
+from evidence.prompts.mtbench_second_turns import answer_text
 from evidence.prompts.prepare_prompts import encode, load_tokenizer
 
 BASELINES = ("ngram", "assisted")
@@ -449,7 +450,7 @@ class Measurement:
             second_turns = [
                 messages
                 + [
-                    {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()},
+                    {"role": "assistant", "content": answer_text(tokenizer, answer)},
                     {"role": "user", "content": turns[1]},
                 ]
                 for messages, answer, turns in zip(first_turns, self.references, questions)
