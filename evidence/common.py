@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -390,3 +392,19 @@ def pick_device(requested: str | None) -> str:
     if requested:
         return requested
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def package_versions() -> dict:
+    """Python, torch (CUDA, device) and the ML packages as installed: the record of what ran."""
+    found = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    for package in ("transformers", "peft", "safetensors", "tokenizers", "huggingface_hub", "vllm"):
+        try:
+            found[package] = importlib.metadata.version(package)  # read from the install, nothing imported
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found

@@ -125,6 +125,16 @@ def dataset_checks(config: dict, manifest_path: Path) -> tuple[list[Check], list
     return checks, unlocked
 
 
+def labels_check(labels: str) -> Check:
+    """Committed teacher labels (a path under the repository root) as their index.json records them."""
+    try:
+        index = check_labels(common.REPO_ROOT / labels)
+    except common.UserError as error:
+        return Check(f"teacher labels {labels}", False, str(error))
+    detail = f"{index.get('train_rows')} train / {index.get('holdout_rows')} holdout prompts, {index.get('continuation_tokens')} tokens"
+    return Check(f"teacher labels {labels}", True, f"{detail}, every shard's sha256 as recorded")
+
+
 def inventory_check(shape: dict, config: dict, declared: dict | None) -> Check:
     """The package these settings make at this shape, against the inventory the record declares."""
     gptq, lora = config["gptq"], config["lora"]
@@ -154,7 +164,9 @@ def check_config(
     checks.append(Check("holdout fraction", 0 < fraction < 1, f"{fraction}"))
     checks += quantization_checks(shape, config["gptq"])
     checks += lora_checks(shape, config["lora"])
-    data_checks, unlocked = dataset_checks(config, manifest_path)
+    data_checks, unlocked = (
+        ([labels_check(config["labels"])], []) if config.get("labels") else dataset_checks(config, manifest_path)
+    )
     checks += data_checks
     checks.append(inventory_check(shape, config, declared_inventory))
     for role in ("teacher", "base", "tokenizer"):
@@ -162,3 +174,25 @@ def check_config(
         if spec.get("repo") and not common.COMMIT_HASH.match(str(spec.get("revision"))):
             unlocked.append(f"{role} {spec['repo']} (revision {spec.get('revision')})")
     return checks, unlocked
+
+
+def prompt_token_ids(prompts: Path) -> set[tuple[int, ...]]:
+    return {tuple(row["token_ids"]) for row in common.read_jsonl(prompts)}
+
+
+def check_disjoint(train: set[tuple[int, ...]], eval_prompts: Path) -> None:
+    """Never train on what is measured: no measurement prompt may also be a training prompt."""
+    shared = [row["id"] for row in common.read_jsonl(eval_prompts) if tuple(row["token_ids"]) in train]
+    if shared:
+        raise common.UserError(
+            f"{len(shared)} measurement prompt(s) are also training prompts (first: {shared[0]}); remove them from one side"
+        )
+
+
+def check_labels(labels: Path) -> dict:
+    """Committed teacher labels as their index.json records them: every finished shard present, same sha256."""
+    index = common.read_json(labels / "index.json", "teacher labels index")
+    for name, digest in index.get("shard_sha256", {}).items():
+        if not (labels / name).is_file() or common.sha256_file(labels / name) != digest:
+            raise common.UserError(f"{labels / name} is missing or differs from index.json; restore it (git checkout)")
+    return index

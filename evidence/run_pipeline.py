@@ -10,7 +10,9 @@ measurement-only set such as MT-bench, when given). Then the package is copied t
 with draft_model.load_model, its greedy drafts checked against the Hugging Face model the pipeline
 measured, and with --eval-prompts the offline tau of every stage's model is measured on that set.
 A rerun skips every stage whose command and outputs are unchanged (WORK/pipeline_state.json); gen_data
-itself skips finished shards. --from-stage reruns a stage and everything after it.
+itself skips finished shards. --from-stage reruns a stage and everything after it. A config with "labels"
+(a gen_data output directory committed in the repository, e.g. evidence/data/sharegpt_labels) starts at
+distillation on those labels, checked against their index.json's sha256 first: no prompt or data stage.
 
 Models: a config names hub ids with pinned revisions; a revision that is null is refused unless --lock
 is given (then it is resolved on the hub and written into the config). --teacher/--base/--tokenizer
@@ -29,10 +31,8 @@ architecture record (--architecture, default WORK/architecture.json): only its o
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
-import platform
 import shlex
 import shutil
 import subprocess
@@ -160,6 +160,7 @@ class Pipeline:
             self.args.base: "BASE",
             self.args.tokenizer: "TOKENIZER",
             self.args.eval_prompts: "EVAL_PROMPTS",
+            common.REPO_ROOT: "REPO",
         }
         text = shlex.join(argv) if separator is None else separator.join(argv)
         for place, name in sorted(
@@ -221,9 +222,20 @@ class Pipeline:
         tokenizer = self.config.get("tokenizer") or self.config.get("teacher")
         return model_flags("tokenizer", tokenizer, self.args.tokenizer, "tokenizer", plan=self.args.plan)
 
+    def labels(self) -> Path | None:
+        """The config's committed teacher labels (a path under the repository root), or None."""
+        return common.REPO_ROOT / self.config["labels"] if self.config.get("labels") else None
+
+    def data_dir(self) -> Path:
+        return self.labels() or self.path("data")
+
     def stages(self) -> list[Stage]:
         """Every stage, in order, with its exact command line, inputs and outputs."""
-        config, k = self.config, str(self.config["k"])
+        return ([] if self.labels() else self.data_stages()) + self.model_stages()
+
+    def data_stages(self) -> list[Stage]:
+        """prompts, aya, magpie (as configured) and data: the teacher's labels for the distillation."""
+        config = self.config
         prompts_cfg, aya_cfg, magpie_cfg = config["prompts"], config.get("aya"), config.get("magpie")
         template = flags({key: prompts_cfg.get(key) for key in ("enable_thinking", "max_prompt_tokens")})
         teacher, teacher_in = self.model("teacher"), self.model_input("teacher")
@@ -253,9 +265,13 @@ class Pipeline:
             stages.append(Stage("magpie", "magpie_prompts", magpie_argv, [written[-2], teacher_in], [written[-1]]))
         prompts, data = written[-1], self.path("data")
         data_argv = ["--prompts", str(prompts), *teacher, "--out", str(data), *flags(config["gen_data"])]
-        stages.append(Stage("data", "gen_data", data_argv, [prompts, teacher_in], [data / "index.json"]))
+        return [*stages, Stage("data", "gen_data", data_argv, [prompts, teacher_in], [data / "index.json"])]
 
-        student = self.path("student")
+    def model_stages(self) -> list[Stage]:
+        """distill, gptq, lora and eval_data, on the data stage's output or the committed labels."""
+        config, k = self.config, str(self.config["k"])
+        data, teacher, teacher_in = self.data_dir(), self.model("teacher"), self.model_input("teacher")
+        student, stages = self.path("student"), []
         train_cfg = dict(config["train"])
         processes = int(train_cfg.pop("nproc_per_node", 1))
         launcher = ["torchrun", f"--nproc_per_node={processes}"] if processes > 1 else None
@@ -292,11 +308,18 @@ class Pipeline:
             self.path("model_card_fields.json"),
             {"description": config.get("description", ""), **config.get("model_card", {})},
         )
+        if self.labels():
+            pipeline_checks.check_labels(self.labels())
+            if self.args.eval_prompts:  # never train on what is measured
+                labelled = {tuple(e["prompt_ids"].tolist()) for e in load_examples(self.labels())}
+                pipeline_checks.check_disjoint(labelled, self.args.eval_prompts)
         for stage in self.stages():
-            if stage.name == "data" and self.args.eval_prompts:  # never train on what is measured
-                check_disjoint(self.path("prompts.jsonl"), self.args.eval_prompts)
+            if stage.name == "data" and self.args.eval_prompts:
+                pipeline_checks.check_disjoint(
+                    pipeline_checks.prompt_token_ids(self.path("prompts.jsonl")), self.args.eval_prompts
+                )
             self.run_stage(stage)
-        return self.finish(self.path("package"), self.path("data"))
+        return self.finish(self.path("package"), self.data_dir())
 
     def plan(self) -> dict:
         """Print every stage (command, inputs, outputs, hardware) and the offline checks; run nothing."""
@@ -384,16 +407,15 @@ class Pipeline:
             "tau": measured,
         }
 
-    def record(self, agreement: float) -> dict:
-        reports, config = self.reports, self.config
-        distill, gptq, lora = reports["distill"], reports["gptq"], reports["lora"]
-
-        def role(name: str, override: Path | None) -> dict | None:
-            """A hub model as configured (repo + revision), or a local directory by name and file checksums."""
-            if override is None:
-                return config.get(name)
-            return {"local_directory": override.name, "files_sha256": common.directory_fingerprint(override)}
-
+    def data_record(self) -> dict:
+        """What the student learned from: the prompt and data stages' reports, or the committed labels."""
+        reports = self.reports
+        if self.labels():
+            index = pipeline_checks.check_labels(self.labels())
+            return {
+                "labels": self.config["labels"],  # as the config names it: a path under the repository root
+                **{k: v for k, v in index.items() if k != "shard_sha256"},
+            }
         prompt_counts = dict(reports["prompts"]["written"])
         if "aya" in reports:
             prompt_counts["aya"] = reports["aya"]["added"]
@@ -404,19 +426,31 @@ class Pipeline:
                 "teacher": self.portable([reports["magpie"]["settings"]["teacher"]])
             }
         return {
+            "prompts_per_source": prompt_counts,
+            "enable_thinking": reports["prompts"]["enable_thinking"],
+            "teacher_data": reports["data"],
+            "magpie": magpie,
+            "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})},
+        }
+
+    def record(self, agreement: float) -> dict:
+        reports, config = self.reports, self.config
+        distill, gptq, lora = reports["distill"], reports["gptq"], reports["lora"]
+
+        def role(name: str, override: Path | None) -> dict | None:
+            """A hub model as configured (repo + revision), or a local directory by name and file checksums."""
+            if override is None:
+                return config.get(name)
+            return {"local_directory": override.name, "files_sha256": common.directory_fingerprint(override)}
+
+        return {
             "name": config["name"],
             "config": config.get("_config_file"),
             "k": config["k"],
             "base_model": role("base", self.args.base),
             "target_model": role("teacher", self.args.teacher),
             "tokenizer": role("tokenizer", self.args.tokenizer) or config.get("teacher"),
-            "data": {
-                "prompts_per_source": prompt_counts,
-                "enable_thinking": reports["prompts"]["enable_thinking"],
-                "teacher_data": reports["data"],
-                "magpie": magpie,
-                "sources": {**reports["prompts"]["sources"], **reports.get("aya", {}).get("sources", {})},
-            },
+            "data": self.data_record(),
             "recipe": {
                 "distillation": distill["settings"],
                 "quantization": gptq["settings"]
@@ -442,19 +476,9 @@ class Pipeline:
             "package_draft_agreement": agreement,
             "selected_steps": {"distill": distill["selected_step"], "lora": lora["selected_step"]},
             "commands": self.commands,
-            "versions": versions(),
+            "versions": common.package_versions(),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-
-
-def check_disjoint(train_prompts: Path, eval_prompts: Path) -> None:
-    """Never train on what is measured: no measurement prompt may also be a training prompt."""
-    train = {tuple(row["token_ids"]) for row in common.read_jsonl(train_prompts)}
-    shared = [row["id"] for row in common.read_jsonl(eval_prompts) if tuple(row["token_ids"]) in train]
-    if shared:
-        raise common.UserError(
-            f"{len(shared)} measurement prompt(s) are also training prompts (first: {shared[0]}); remove them from one side"
-        )
 
 
 @torch.no_grad()
@@ -478,24 +502,10 @@ def package_draft_agreement(package: Path, data: Path, k: int, rows: int = 4) ->
     return same / total if total else float("nan")
 
 
-def versions() -> dict:
-    found = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-    }
-    for package in ("transformers", "peft", "safetensors", "tokenizers", "huggingface_hub", "vllm"):
-        try:
-            found[package] = importlib.metadata.version(package)  # read from the install, nothing imported
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
-    return found
-
-
 def load_config(path: Path) -> dict:
     config = common.read_json(path, "pipeline config")
-    missing = [key for key in ("name", "k", "prompts", "gen_data", "train", "gptq", "lora") if key not in config]
+    required = ("name", "k", "gen_data", "train", "gptq", "lora") + ("prompts",) * ("labels" not in config)
+    missing = [key for key in required if key not in config]
     if missing:
         raise common.UserError(f"pipeline config {path} lacks {missing}")
     if not isinstance(config["k"], int) or config["k"] < 1:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 import draft_model
-from evidence import common, run_pipeline
+from evidence import common, pipeline_checks, run_pipeline
 from evidence.inventory import file_inventory, package_inventory
 from evidence.prompts import prepare_prompts
 
@@ -542,27 +542,9 @@ def test_measurement_prompts_must_not_be_training_prompts(pipeline_run, tmp_path
     with pytest.raises(
         common.UserError, match=r"1 measurement prompt\(s\) are also training prompts \(first: eval:0\)"
     ):
-        run_pipeline.check_disjoint(pipeline_run["work"] / "prompts.jsonl", tmp_path / "eval.jsonl")
-
-
-def test_sharegpt_chats_give_one_prompt_per_human_turn():
-    chats = [
-        {
-            "id": "c0",
-            "conversations": [
-                {"from": "human", "value": "hi"},
-                {"from": "gpt", "value": "hello"},
-                {"from": "human", "value": "who are you"},
-                {"from": "gpt", "value": "a model"},
-            ],
-        }
-    ]
-    rows = list(prepare_prompts.read_sharegpt(chats))
-    assert [(row_id, [m["role"] for m in messages]) for row_id, messages, _ in rows] == [
-        ("c0:0", ["user"]),
-        ("c0:2", ["user", "assistant", "user"]),
-    ]
-    assert rows[1][1][1] == {"role": "assistant", "content": "hello"}
+        pipeline_checks.check_disjoint(
+            pipeline_checks.prompt_token_ids(pipeline_run["work"] / "prompts.jsonl"), tmp_path / "eval.jsonl"
+        )
 
 
 def test_hub_model_without_pinned_revision_is_refused(inputs, tmp_path):
@@ -577,18 +559,42 @@ def test_hub_model_without_pinned_revision_is_refused(inputs, tmp_path):
         run_pipeline.main(argv)
 
 
-def test_student_from_a_subset_of_teacher_layers(tmp_path):
-    """smollm2_models.layer_subset: the kept layers, renumbered, with the teacher's embeddings and norm."""
-    from transformers import AutoModelForCausalLM
+def labels_config(tmp_path: Path, labels: Path) -> Path:
+    """tiny.json starting from committed labels (an absolute path stays itself under the repository root)."""
+    config = {k: v for k, v in json.loads(TINY_CONFIG.read_text()).items() if k not in ("prompts", "aya", "magpie")}
+    path = tmp_path / "labels.json"
+    path.write_text(json.dumps(config | {"labels": str(labels)}))
+    return path
 
-    from evidence.prompts.smollm2_models import layer_subset
 
-    teacher = make_hf_model("llama", seed=5, num_hidden_layers=3)
-    layer_subset(teacher, [0, 2], tmp_path / "student")
-    student = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
-    assert student.config.num_hidden_layers == 2
-    torch.testing.assert_close(
-        student.model.layers[1].mlp.down_proj.weight, teacher.model.layers[2].mlp.down_proj.weight
-    )
-    torch.testing.assert_close(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
-    assert student.lm_head.weight is student.model.embed_tokens.weight  # still tied
+def test_a_config_with_labels_starts_at_distillation_on_them(inputs, pipeline_run, tmp_path):
+    labels = tmp_path / "labels"
+    shutil.copytree(pipeline_run["work"] / "data", labels)
+    argv = pipeline_argv(inputs, tmp_path / "work", tmp_path / "out")
+    argv[argv.index("--config") + 1] = str(labels_config(tmp_path, labels))
+    record = run_pipeline.main(argv)
+    assert [c.split()[2] for c in record["commands"]] == [
+        "evidence.train.train_drafter",
+        "evidence.quantize.gptq_drafter",
+        "evidence.quantize.lora_after_gptq",
+        "evidence.teacher.gen_data",  # the measurement set only
+    ]
+    assert record["data"]["labels"] == str(labels) and record["data"]["rows"] == 64
+    assert record["package_draft_agreement"] == 1.0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in pipeline_run["out"].iterdir())
+
+
+def test_labels_that_differ_from_their_index_are_refused(inputs, pipeline_run, tmp_path, capsys):
+    labels = tmp_path / "labels"
+    shutil.copytree(pipeline_run["work"] / "data", labels)
+    shard = sorted(labels.glob("shard-*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of the last tensor
+    argv = pipeline_argv(inputs, tmp_path / "work", tmp_path / "out")
+    argv[argv.index("--config") + 1] = str(labels_config(tmp_path, labels))
+    with pytest.raises(common.UserError, match=rf"{shard.name} is missing or differs from index.json"):
+        run_pipeline.main(argv)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(common.UserError, match="fails 1 check"):
+        run_pipeline.main([*argv, "--plan"])
+    assert f"FAIL teacher labels {labels}" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import pytest
 from pipeline_fixtures import write_tokenizer
 
 from evidence import common
-from evidence.prompts import prepare_sharegpt
+from evidence.prompts import prepare_prompts, prepare_sharegpt
 from evidence.prompts.prepare_prompts import encode, load_tokenizer
 from evidence.teacher import gen_data
 
@@ -142,3 +142,23 @@ def test_bad_input_is_one_clear_error(inputs, tmp_path):
         prepare_sharegpt.main(["--tokenizer", str(inputs["tokenizer"]), "--out", str(tmp_path / "o.jsonl")])
     with pytest.raises(common.UserError, match="--max-turns must be at least 1"):
         run(inputs, tmp_path / "out.jsonl", "--max-turns", "0")
+
+
+def test_sharegpt_chats_give_one_prompt_per_human_turn():
+    chats = [
+        {
+            "id": "c0",
+            "conversations": [
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+                {"from": "human", "value": "who are you"},
+                {"from": "gpt", "value": "a model"},
+            ],
+        }
+    ]
+    rows = list(prepare_prompts.read_sharegpt(chats))
+    assert [(row_id, [m["role"] for m in messages]) for row_id, messages, _ in rows] == [
+        ("c0:0", ["user"]),
+        ("c0:2", ["user", "assistant", "user"]),
+    ]
+    assert rows[1][1][1] == {"role": "assistant", "content": "hello"}

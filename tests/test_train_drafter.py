@@ -273,3 +273,20 @@ def test_teacher_top_k_on_the_fly_equals_the_stored_top_k(data):
     recomputed = teacher_top_k(teacher, batch, k=20)
     assert torch.equal(recomputed["topk_ids"][:, 0], batch["targets"])  # greedy labels are the top 1
     torch.testing.assert_close(recomputed["topk_logprobs"], batch["topk_logprobs"], rtol=1e-4, atol=1e-4)
+
+
+def test_student_from_a_subset_of_teacher_layers(tmp_path):
+    """smollm2_models.layer_subset: the kept layers, renumbered, with the teacher's embeddings and norm."""
+    from transformers import AutoModelForCausalLM
+
+    from evidence.prompts.smollm2_models import layer_subset
+
+    teacher = make_hf_model("llama", seed=5, num_hidden_layers=3)
+    layer_subset(teacher, [0, 2], tmp_path / "student")
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
+    assert student.config.num_hidden_layers == 2
+    torch.testing.assert_close(
+        student.model.layers[1].mlp.down_proj.weight, teacher.model.layers[2].mlp.down_proj.weight
+    )
+    torch.testing.assert_close(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
+    assert student.lm_head.weight is student.model.embed_tokens.weight  # still tied
