@@ -290,3 +290,15 @@ def test_student_from_a_subset_of_teacher_layers(tmp_path):
     )
     torch.testing.assert_close(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
     assert student.lm_head.weight is student.model.embed_tokens.weight  # still tied
+
+
+def test_the_student_init_script_without_gguf_says_what_to_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    from evidence.prompts import smollm2_models
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    with pytest.raises(common.UserError, match=r"needs the gguf package: pip install -e '\.\[train\]'"):
+        smollm2_models.main(["--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "small")])
+    assert list(tmp_path.iterdir()) == []  # nothing fetched, nothing written

@@ -25,6 +25,7 @@ into OUT:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -106,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through it
+        raise common.UserError("reading the teacher's GGUF file needs the gguf package: pip install -e '.[train]'")
     logger = common.setup_logging(common.log_path_beside(args.out, "smollm2_models"), "smollm2_models")
     logger.info(
         "command: python -m evidence.prompts.smollm2_models %s", " ".join(sys.argv[1:] if argv is None else argv)
