@@ -8,6 +8,7 @@ Not a script: imported by tau.py, gptq_drafter.py, lora_after_gptq.py and run_pi
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -47,3 +48,20 @@ def load_any_model(path: Path, device: str, dtype: torch.dtype) -> torch.nn.Modu
             f"{path} is neither a model directory (config.json) nor a model package ({checkpoint.PACKAGE_QUANT_CONFIG})"
         )
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # the ones transformers reads
+
+
+def tokenizer_files(source: Path) -> list[Path]:
+    """The transformers tokenizer files in `source`; refused when it holds no tokenizer.json."""
+    if not (source / "tokenizer.json").is_file():
+        raise common.UserError(f"{source} holds no tokenizer.json; give the directory of a transformers tokenizer")
+    return [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+
+
+def copy_tokenizer(source: Path, directory: Path) -> None:
+    """Copy the tokenizer files of `source`, byte for byte, into `directory`, so a package or a draft directory
+    carries what an engine needs to turn text into the ids it drafts on."""
+    for file in tokenizer_files(source):
+        shutil.copyfile(file, directory / file.name)

@@ -42,14 +42,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, snapshot_download
 from transformers import AutoModelForCausalLM
 
 import checkpoint
 import draft_model
-from evidence import common, pipeline_checks
+import package_manifest
+from evidence import common, packages, pipeline_checks
 from evidence.measure.tau import offline_tau
-from evidence.packages import dequantized_model
 from evidence.prompts import add_aya, magpie_prompts, prepare_prompts
 from evidence.quantize import gptq_drafter, lora_after_gptq
 from evidence.teacher import gen_data
@@ -222,6 +222,14 @@ class Pipeline:
         tokenizer = self.config.get("tokenizer") or self.config.get("teacher")
         return model_flags("tokenizer", tokenizer, self.args.tokenizer, "tokenizer", plan=self.args.plan)
 
+    def tokenizer_dir(self) -> Path:
+        """The local directory of the tokenizer the package ships with (a hub tokenizer's files downloaded)."""
+        if self.args.tokenizer is not None:
+            return self.args.tokenizer
+        spec = self.config.get("tokenizer") or self.config.get("teacher")
+        repo, revision = common.resolve_model(spec["repo"], spec.get("revision"))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(packages.TOKENIZER_FILES)))
+
     def labels(self) -> Path | None:
         """The config's committed teacher labels (a path under the repository root), or None."""
         return common.REPO_ROOT / self.config["labels"] if self.config.get("labels") else None
@@ -308,6 +316,7 @@ class Pipeline:
             self.path("model_card_fields.json"),
             {"description": config.get("description", ""), **config.get("model_card", {})},
         )
+        packages.tokenizer_files(self.tokenizer_dir())  # the package ships it: refused now, not after training
         if self.labels():
             pipeline_checks.check_labels(self.labels())
             if self.args.eval_prompts:  # never train on what is measured
@@ -336,7 +345,7 @@ class Pipeline:
             ]
         lines += [
             f"[{len(stages) + 1}/{len(stages) + 1}] package (in run_pipeline)",
-            "  command : copy WORK/package to OUT; draft_model.load_model(OUT) drafts = the measured model's; write the record",
+            "  command : copy WORK/package and the tokenizer to OUT; draft_model.load_model(OUT) drafts = the measured model's; write the record",
             f"  inputs  : {self.portable([str(self.path('package'))], ', ')}",
             f"  outputs : {self.portable([str(self.args.out), str(self.args.architecture or self.path('architecture.json'))], ', ')}",
             f"  hardware: {hardware.get('package', 'not stated in the config')}",
@@ -362,10 +371,13 @@ class Pipeline:
         return [shape_check, *checks], unlocked
 
     def finish(self, package: Path, data: Path) -> dict:
-        """Copy the package to --out, check it loads strictly and drafts what was measured, write the record."""
+        """Copy the package and the tokenizer to --out, check it loads strictly and drafts what was measured,
+        write the record."""
         with common.atomic_directory(self.args.out) as staging:
             for file in sorted(package.iterdir()):
                 shutil.copyfile(file, staging / file.name)
+            packages.copy_tokenizer(self.tokenizer_dir(), staging)
+            package_manifest.write_manifest(staging)  # now covering the tokenizer's files too
         agreement = package_draft_agreement(self.args.out, data, int(self.config["k"]))
         self.logger.info(
             "package %s: draft_model greedy drafts agree with the measured model on %.4f of tokens",
@@ -391,8 +403,8 @@ class Pipeline:
                 self.args.base or base["repo"], revision=None if self.args.base else base["revision"]
             ),
             "distilled": lambda: AutoModelForCausalLM.from_pretrained(self.path("student")),
-            "int4": lambda: dequantized_model(package, with_lora=False),
-            "int4_lora": lambda: dequantized_model(package, with_lora=True),
+            "int4": lambda: packages.dequantized_model(package, with_lora=False),
+            "int4_lora": lambda: packages.dequantized_model(package, with_lora=True),
         }
         device = common.pick_device(None)
         measured = {}
@@ -492,7 +504,7 @@ def package_draft_agreement(package: Path, data: Path, k: int, rows: int = 4) ->
     drafter = draft_model.load_model(package, device=device, dtype=dtype)
     prompts = [e["prompt_ids"].tolist() for e in examples]
     drafts = draft_model.draft_batch(drafter, prompts, max_tokens=k)
-    reference = dequantized_model(package, device=device, dtype=dtype)
+    reference = packages.dequantized_model(package, device=device, dtype=dtype)
     same = total = 0
     for prompt, draft in zip(prompts, drafts):
         expected = generate_transformers(reference, [prompt], max_new_tokens=k, top_k=1, eos_ids=[-1])[0][0].tolist()

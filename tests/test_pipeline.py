@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 import draft_model
-from evidence import common, pipeline_checks, run_pipeline
+from evidence import common, packages, pipeline_checks, run_pipeline
 from evidence.inventory import file_inventory, package_inventory
 from evidence.prompts import prepare_prompts
 
@@ -116,6 +116,7 @@ def test_end_to_end_package_loads_strictly_and_drafts(pipeline_run):
             "lora.safetensors",
             "lora_config.json",
             "checksums.json",
+            *packages.TOKENIZER_FILES,
         ]
     )
     drafter = draft_model.load_model(out, device="cpu", dtype=torch.float32)
@@ -205,6 +206,37 @@ def test_end_to_end_record_reports_every_stage(pipeline_run):
     assert not any(str(pipeline_run["work"]) in c for c in record["commands"])  # placeholders, not this machine's paths
     stored = json.loads((pipeline_run["work"] / "architecture.json").read_text())
     assert stored["evidence_pipeline"]["holdout_tau"] == record["holdout_tau"]
+
+
+def test_package_ships_the_tokenizer_it_was_trained_with_under_its_checksums(inputs, pipeline_run):
+    """An engine reads the package's tokenizer and chat template to make the ids it sends to /draft."""
+    from transformers import AutoTokenizer
+
+    out = pipeline_run["out"]
+    for name in packages.TOKENIZER_FILES:
+        assert (out / name).read_bytes() == (inputs["tokenizer"] / name).read_bytes()
+    checksums = json.loads((out / "checksums.json").read_text())["sha256"]
+    assert set(packages.TOKENIZER_FILES) <= set(checksums)
+    messages = [{"role": "user", "content": "tell me how to draw a tree"}]
+    expected = prepare_prompts.encode(AutoTokenizer.from_pretrained(inputs["tokenizer"]), messages, False)
+    assert prepare_prompts.encode(AutoTokenizer.from_pretrained(out), messages, False) == expected
+
+
+def test_dense_from_package_gives_the_weights_the_server_drafts_with(pipeline_run, tmp_path):
+    """Continuing distillation from a package starts from exactly its INT4 weights with the LoRA merged."""
+    from transformers import AutoModelForCausalLM
+
+    from evidence.packages import dequantized_model
+    from evidence.train import dense_from_package
+
+    dense_from_package.main(["--package", str(pipeline_run["out"]), "--out", str(tmp_path / "dense")])
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    ids = torch.tensor([[3, 7, 40, 41, 2, 3, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(dense(ids).logits, dequantized_model(pipeline_run["out"], with_lora=True)(ids).logits)
+    with pytest.raises(common.UserError, match="not a model package"):
+        dense_from_package.main(["--package", str(tmp_path / "dense"), "--out", str(tmp_path / "again")])
+    assert not (tmp_path / "again").exists()
 
 
 def test_distillation_lowers_the_training_loss(pipeline_run):
@@ -598,3 +630,13 @@ def test_labels_that_differ_from_their_index_are_refused(inputs, pipeline_run, t
     with pytest.raises(common.UserError, match="fails 1 check"):
         run_pipeline.main([*argv, "--plan"])
     assert f"FAIL teacher labels {labels}" in capsys.readouterr().out
+
+
+def test_a_tokenizer_directory_without_tokenizer_json_is_refused_before_any_stage(inputs, tmp_path):
+    empty = tmp_path / "not-a-tokenizer"
+    empty.mkdir()
+    argv = pipeline_argv(inputs, tmp_path / "work", tmp_path / "out")
+    argv[argv.index("--tokenizer") + 1] = str(empty)
+    with pytest.raises(common.UserError, match="holds no tokenizer.json"):
+        run_pipeline.main(argv)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work" / "prompts.jsonl").exists()

@@ -48,7 +48,6 @@ from evidence import common, packages
 
 ENGINE_PYTHON = common.REPO_ROOT / ".venv-engine" / "bin" / "python"
 RUNNER = common.REPO_ROOT / "evidence" / "bench" / "vllm_run.py"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,7 +97,7 @@ def prepare_target(small: Path, work: Path) -> Path:
         with common.atomic_directory(target) as staging:
             for source in (small / "teacher").iterdir():
                 shutil.copy2(source, staging / source.name)
-            copy_tokenizer(small / "tokenizer", staging)
+            packages.copy_tokenizer(small / "tokenizer", staging)
     return target
 
 
@@ -111,14 +110,8 @@ def prepare_draft(small: Path, package: Path, work: Path, logger) -> Path:
         model = packages.dequantized_model(package, dtype=torch.float32, with_lora=True)
         with common.atomic_directory(draft) as staging:
             model.save_pretrained(staging, safe_serialization=True)
-            copy_tokenizer(small / "tokenizer", staging)
+            packages.copy_tokenizer(small / "tokenizer", staging)
     return draft
-
-
-def copy_tokenizer(source: Path, destination: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, destination / name)
 
 
 def free_port() -> int:

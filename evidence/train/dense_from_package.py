@@ -1,0 +1,48 @@
+"""Turn a model package back into a dense Hugging Face checkpoint, to continue distillation from it.
+
+A package holds INT4 weights and a LoRA adapter, not the student it was quantized from; when that student
+is gone (another machine, another sitting), this rebuilds the closest one: the INT4 weights dequantized
+with the LoRA merged, exactly the weights the server drafts with, in fp32. Pass the output as
+train_drafter's or run_pipeline's --base.
+
+    python -m evidence.train.dense_from_package --package model --out BASE_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from evidence import common, packages
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--package", type=Path, required=True, help="model package directory (model/ format)")
+    parser.add_argument("--out", type=Path, required=True, help="output Hugging Face checkpoint directory")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if not packages.is_package(args.package):
+        raise common.UserError(f"--package {args.package} is not a model package: it has no quant_config.json")
+    logger = common.setup_logging(common.log_path_beside(args.out, "dense_from_package"), "dense_from_package")
+    logger.info(
+        "command: python -m evidence.train.dense_from_package %s", " ".join(sys.argv[1:] if argv is None else argv)
+    )
+    model = packages.dequantized_model(args.package, with_lora=True)
+    with common.atomic_directory(args.out) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+    report = {
+        "package": str(args.package),
+        "out": str(args.out),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    logger.info("wrote %s (%d parameters)", args.out, report["parameters"])
+    return report
+
+
+if __name__ == "__main__":
+    common.run_cli(main)
