@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
 import draft_model
+import package_manifest
 from evidence import common
 
 
@@ -65,3 +66,13 @@ def copy_tokenizer(source: Path, directory: Path) -> None:
     carries what an engine needs to turn text into the ids it drafts on."""
     for file in tokenizer_files(source):
         shutil.copyfile(file, directory / file.name)
+
+
+def publish(package: Path, tokenizer: Path, out: Path) -> None:
+    """Copy the package and the tokenizer's files to `out` in one step (all or nothing), under a manifest that
+    covers both."""
+    with common.atomic_directory(out) as staging:
+        for file in sorted(package.iterdir()):
+            shutil.copyfile(file, staging / file.name)
+        copy_tokenizer(tokenizer, staging)
+        package_manifest.write_manifest(staging)

@@ -5,14 +5,14 @@ Stages (each one an evidence script, called with the flags the config gives; its
 recorded): prompts (prepare_prompts.py), aya (add_aya.py, when the config has an "aya" section), magpie
 (magpie_prompts.py: prompts the teacher writes itself, when the config has a "magpie" section), data
 (gen_data.py), distill (train_drafter.py; under torchrun when train.nproc_per_node > 1), gptq
-(gptq_drafter.py), lora (lora_after_gptq.py), eval_data (gen_data.py on --eval-prompts, a
-measurement-only set such as MT-bench, when given). Then the package is copied to --out, loaded strictly
-with draft_model.load_model, its greedy drafts checked against the Hugging Face model the pipeline
-measured, and with --eval-prompts the offline tau of every stage's model is measured on that set.
-A rerun skips every stage whose command and outputs are unchanged (WORK/pipeline_state.json); gen_data
-itself skips finished shards. --from-stage reruns a stage and everything after it. A config with "labels"
-(a gen_data output directory committed in the repository, e.g. evidence/data/sharegpt_labels) starts at
-distillation on those labels, checked against their index.json's sha256 first: no prompt or data stage.
+(gptq_drafter.py), lora (lora_after_gptq.py), eval_data (gen_data.py on --eval-prompts, a measurement-only set
+such as MT-bench, when given). Then the package and the tokenizer's files are copied to --out, loaded strictly
+with draft_model.load_model, its greedy drafts checked against the Hugging Face model the pipeline measured,
+and with --eval-prompts the offline tau of every stage's model is measured on that set. A rerun skips every
+stage whose command and outputs are unchanged (WORK/pipeline_state.json); gen_data itself skips finished
+shards. --from-stage reruns a stage and everything after it. A config with "labels" (a gen_data output
+directory committed in the repository, e.g. evidence/data/sharegpt_labels) starts at distillation on those
+labels, checked against their index.json's sha256 first: no prompt or data stage.
 
 Models: a config names hub ids with pinned revisions; a revision that is null is refused unless --lock
 is given (then it is resolved on the hub and written into the config). --teacher/--base/--tokenizer
@@ -34,7 +34,6 @@ import argparse
 import json
 import logging
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -47,7 +46,6 @@ from transformers import AutoModelForCausalLM
 
 import checkpoint
 import draft_model
-import package_manifest
 from evidence import common, packages, pipeline_checks
 from evidence.measure.tau import offline_tau
 from evidence.prompts import add_aya, magpie_prompts, prepare_prompts
@@ -224,11 +222,10 @@ class Pipeline:
 
     def tokenizer_dir(self) -> Path:
         """The local directory of the tokenizer the package ships with (a hub tokenizer's files downloaded)."""
-        if self.args.tokenizer is not None:
-            return self.args.tokenizer
-        spec = self.config.get("tokenizer") or self.config.get("teacher")
-        repo, revision = common.resolve_model(spec["repo"], spec.get("revision"))
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(packages.TOKENIZER_FILES)))
+        _, name, *revision = self.tokenizer_flags()  # --tokenizer NAME [--tokenizer-revision REVISION]
+        if not revision:
+            return Path(name)
+        return Path(snapshot_download(name, revision=revision[1], allow_patterns=list(packages.TOKENIZER_FILES)))
 
     def labels(self) -> Path | None:
         """The config's committed teacher labels (a path under the repository root), or None."""
@@ -371,13 +368,8 @@ class Pipeline:
         return [shape_check, *checks], unlocked
 
     def finish(self, package: Path, data: Path) -> dict:
-        """Copy the package and the tokenizer to --out, check it loads strictly and drafts what was measured,
-        write the record."""
-        with common.atomic_directory(self.args.out) as staging:
-            for file in sorted(package.iterdir()):
-                shutil.copyfile(file, staging / file.name)
-            packages.copy_tokenizer(self.tokenizer_dir(), staging)
-            package_manifest.write_manifest(staging)  # now covering the tokenizer's files too
+        """Copy package and tokenizer to --out, check it loads strictly and drafts what was measured; record."""
+        packages.publish(package, self.tokenizer_dir(), self.args.out)
         agreement = package_draft_agreement(self.args.out, data, int(self.config["k"]))
         self.logger.info(
             "package %s: draft_model greedy drafts agree with the measured model on %.4f of tokens",

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 from live_server import RunningServer, start_server, stop_server
+from pipeline_fixtures import perturbed_copy, pipeline_argv, write_eval_prompts, write_mirror, write_tokenizer
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 import draft_model
+from evidence import run_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,3 +61,35 @@ def server(repo_root: Path, tmp_path: Path):
     yield start
     for running in started:
         stop_server(running)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The evidence pipeline at tiny scale, run once for test_pipeline.py and test_pipeline_sources.py
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """Mirror + locked manifest, tokenizer, a tiny random Qwen3 teacher, and a base model that is a
+    perturbed copy of it (as a small model of the same family would be)."""
+    root = tmp_path_factory.mktemp("pipeline-inputs")
+    write_mirror(root / "mirror", root / "manifest.json")
+    teacher = make_hf_model("qwen3", seed=1)
+    write_hf_checkpoint(teacher, root / "teacher")
+    write_hf_checkpoint(perturbed_copy(teacher, noise=0.3, seed=2), root / "base")
+    write_tokenizer(root / "tokenizer")
+    return {
+        "root": root,
+        "mirror": root / "mirror",
+        "manifest": root / "manifest.json",
+        "teacher": root / "teacher",
+        "base": root / "base",
+        "tokenizer": root / "tokenizer",
+        "eval_prompts": write_eval_prompts(root / "tokenizer", root / "eval.jsonl"),
+    }
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(inputs, tmp_path_factory) -> dict:
+    work, out = tmp_path_factory.mktemp("work"), tmp_path_factory.mktemp("out") / "package"
+    record = run_pipeline.main(pipeline_argv(inputs, work, out))
+    return {"record": record, "work": work, "out": out}

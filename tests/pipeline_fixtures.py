@@ -11,9 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from evidence import common
+from evidence.prompts import prepare_prompts
 from package_manifest import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "evidence" / "configs" / "tiny.json"
 FAKE_REVISION = "0123456789abcdef0123456789abcdef01234567"  # a fixture's pin: only its shape matters here
 SPECIALS = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<unk>"]  # ids 0..4: pad, bos, eos as in tiny_models
 ROLES = ["system", "user", "assistant", "<think>", "</think>"]
@@ -147,3 +150,54 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.
         for parameter in student.parameters():
             parameter += noise * parameter.std() * torch.randn(parameter.shape, generator=generator)
     return student
+
+
+def write_eval_prompts(tokenizer_dir: Path, path: Path) -> Path:
+    """A measurement-only prompt set (as MT-bench is for the small real case), disjoint from training."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    questions = [
+        "what is the long story of the north sea",
+        "tell me how to draw a tree",
+        "why do children play with paper",
+        "write a letter to my mother about the city",
+        "how many days are in four years",
+        "give an example of a kind act",
+    ]
+    rows = []
+    for number, question in enumerate(questions):
+        messages = [{"role": "user", "content": question}]
+        rows.append(
+            {
+                "id": f"eval:{number}",
+                "source": "eval",
+                "messages": messages,
+                "token_ids": prepare_prompts.encode(tokenizer, messages, enable_thinking=False),
+            }
+        )
+    common.write_jsonl(path, rows)
+    return path
+
+
+def pipeline_argv(inputs: dict[str, Path], work: Path, out: Path) -> list[str]:
+    return [
+        "--config",
+        str(TINY_CONFIG),
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--mirror",
+        str(inputs["mirror"]),
+        "--manifest",
+        str(inputs["manifest"]),
+        "--teacher",
+        str(inputs["teacher"]),
+        "--base",
+        str(inputs["base"]),
+        "--tokenizer",
+        str(inputs["tokenizer"]),
+        "--eval-prompts",
+        str(inputs["eval_prompts"]),
+    ]
