@@ -2,8 +2,10 @@
 
 A package (model/ format: config.json, quant_config.json, model_int4.safetensors, optional LoRA) is read
 with draft_model's own strict loader and turned into the matching transformers model on exactly the
-weights draft_model computes with, so what the scripts measure is what the server drafts with.
-Not a script: imported by tau.py, gptq_drafter.py, lora_after_gptq.py and run_pipeline.py.
+weights draft_model computes with, so what the scripts measure is what the server drafts with; or written
+out as that dense checkpoint (to continue training, or for an engine's draft model). A package leaves the
+pipeline with the tokenizer it was trained with, copied byte for byte under its checksums.
+Not a script: imported by the stages that measure, quantize, train or bench packages and by run_pipeline.py.
 """
 
 from __future__ import annotations
@@ -76,3 +78,16 @@ def publish(package: Path, tokenizer: Path, out: Path) -> None:
             shutil.copyfile(file, staging / file.name)
         copy_tokenizer(tokenizer, staging)
         package_manifest.write_manifest(staging)
+
+
+def save_dense(package: Path, out: Path, tokenizer: Path | None) -> int:
+    """Write the package as a dense fp32 Hugging Face checkpoint (INT4 dequantized, LoRA merged: the weights the
+    server drafts with) to `out`, with `tokenizer`'s files when given; its parameter count."""
+    if out.resolve() == package.resolve():
+        raise common.UserError(f"--out {out} is the package itself; write the dense checkpoint elsewhere")
+    model = dequantized_model(package, dtype=torch.float32, with_lora=True)
+    with common.atomic_directory(out) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, staging)
+    return sum(parameter.numel() for parameter in model.parameters())

@@ -40,18 +40,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from huggingface_hub import HfApi, snapshot_download
 from transformers import AutoModelForCausalLM
 
 import checkpoint
-import draft_model
 from evidence import common, packages, pipeline_checks
-from evidence.measure.tau import offline_tau
+from evidence.measure import tau
 from evidence.prompts import add_aya, magpie_prompts, prepare_prompts
 from evidence.quantize import gptq_drafter, lora_after_gptq
 from evidence.teacher import gen_data
-from evidence.teacher.gen_data import generate_transformers, load_examples
+from evidence.teacher.gen_data import load_examples
 from evidence.train import train_drafter
 
 STAGES = ("prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data")
@@ -223,9 +221,21 @@ class Pipeline:
     def tokenizer_dir(self) -> Path:
         """The local directory of the tokenizer the package ships with (a hub tokenizer's files downloaded)."""
         _, name, *revision = self.tokenizer_flags()  # --tokenizer NAME [--tokenizer-revision REVISION]
-        if not revision:
-            return Path(name)
-        return Path(snapshot_download(name, revision=revision[1], allow_patterns=list(packages.TOKENIZER_FILES)))
+        directory = Path(name)
+        if revision:
+            try:
+                directory = Path(
+                    snapshot_download(
+                        name,
+                        revision=revision[1],
+                        cache_dir=self.args.cache_dir,
+                        allow_patterns=list(packages.TOKENIZER_FILES),
+                    )
+                )
+            except Exception as error:  # offline, a revision the hub lacks, no access: one line, not a traceback
+                raise common.UserError(f"tokenizer {name}@{revision[1]}: {type(error).__name__}: {error}") from None
+        packages.tokenizer_files(directory)  # refuses a directory without tokenizer.json
+        return directory
 
     def labels(self) -> Path | None:
         """The config's committed teacher labels (a path under the repository root), or None."""
@@ -313,7 +323,7 @@ class Pipeline:
             self.path("model_card_fields.json"),
             {"description": config.get("description", ""), **config.get("model_card", {})},
         )
-        packages.tokenizer_files(self.tokenizer_dir())  # the package ships it: refused now, not after training
+        self.tokenizer = self.tokenizer_dir()  # the package ships it: a bad one is refused now, not after training
         if self.labels():
             pipeline_checks.check_labels(self.labels())
             if self.args.eval_prompts:  # never train on what is measured
@@ -369,8 +379,8 @@ class Pipeline:
 
     def finish(self, package: Path, data: Path) -> dict:
         """Copy package and tokenizer to --out, check it loads strictly and drafts what was measured; record."""
-        packages.publish(package, self.tokenizer_dir(), self.args.out)
-        agreement = package_draft_agreement(self.args.out, data, int(self.config["k"]))
+        packages.publish(package, self.tokenizer, self.args.out)
+        agreement = tau.package_draft_agreement(self.args.out, data, int(self.config["k"]))
         self.logger.info(
             "package %s: draft_model greedy drafts agree with the measured model on %.4f of tokens",
             self.args.out,
@@ -401,7 +411,7 @@ class Pipeline:
         device = common.pick_device(None)
         measured = {}
         for stage, load in loaders.items():
-            report = offline_tau(load().to(device).eval(), examples, int(self.config["k"]), progress=False)
+            report = tau.offline_tau(load().to(device).eval(), examples, int(self.config["k"]), progress=False)
             measured[stage] = {"tau": report.tau, "top1_agreement": report.top1_agreement}
             self.logger.info("eval set: %s tau %.4f, top-1 %.4f", stage, report.tau, report.top1_agreement)
         return {
@@ -483,27 +493,6 @@ class Pipeline:
             "versions": common.package_versions(),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-
-
-@torch.no_grad()
-def package_draft_agreement(package: Path, data: Path, k: int, rows: int = 4) -> float:
-    """draft_model's greedy drafts from the package vs greedy decoding of the Hugging Face model the
-    pipeline measured (dequantized INT4 + merged LoRA), on a few holdout prompts: the fraction of the
-    compared draft tokens that are equal (1.0 means the package means what was measured)."""
-    device = common.pick_device(None)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    examples = load_examples(data, "holdout")[:rows]
-    drafter = draft_model.load_model(package, device=device, dtype=dtype)
-    prompts = [e["prompt_ids"].tolist() for e in examples]
-    drafts = draft_model.draft_batch(drafter, prompts, max_tokens=k)
-    reference = packages.dequantized_model(package, device=device, dtype=dtype)
-    same = total = 0
-    for prompt, draft in zip(prompts, drafts):
-        expected = generate_transformers(reference, [prompt], max_new_tokens=k, top_k=1, eos_ids=[-1])[0][0].tolist()
-        compared = min(len(draft), len(expected))
-        same += sum(int(a == b) for a, b in zip(list(draft)[:compared], expected[:compared]))
-        total += compared
-    return same / total if total else float("nan")
 
 
 def load_config(path: Path) -> dict:

@@ -1,5 +1,7 @@
-"""Shared fixtures: the repository root, a tiny random Qwen3 checkpoint written once per session, and what the
-tests that run server.py over HTTP share (tests/live_server.py holds the helpers themselves)."""
+"""Shared fixtures: the repository root, a tiny random Qwen3 checkpoint written once per session, what the
+tests that run server.py over HTTP share (tests/live_server.py holds the helpers themselves), and the evidence
+pipeline's inputs and its one tiny run, shared by test_pipeline.py and test_pipeline_sources.py
+(tests/pipeline_fixtures.py holds their helpers)."""
 
 from pathlib import Path
 
@@ -10,7 +12,6 @@ from pipeline_fixtures import perturbed_copy, pipeline_argv, write_eval_prompts,
 from tiny_models import make_hf_model, write_hf_checkpoint
 
 import draft_model
-from evidence import run_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +69,7 @@ def server(repo_root: Path, tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
-def inputs(tmp_path_factory) -> dict[str, Path]:
+def pipeline_inputs(tmp_path_factory) -> dict[str, Path]:
     """Mirror + locked manifest, tokenizer, a tiny random Qwen3 teacher, and a base model that is a
     perturbed copy of it (as a small model of the same family would be)."""
     root = tmp_path_factory.mktemp("pipeline-inputs")
@@ -89,7 +90,9 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def pipeline_run(inputs, tmp_path_factory) -> dict:
+def pipeline_run(pipeline_inputs, tmp_path_factory) -> dict:
+    from evidence import run_pipeline  # here, not at the top: only the pipeline tests pay for its imports
+
     work, out = tmp_path_factory.mktemp("work"), tmp_path_factory.mktemp("out") / "package"
-    record = run_pipeline.main(pipeline_argv(inputs, work, out))
+    record = run_pipeline.main(pipeline_argv(pipeline_inputs, work, out))
     return {"record": record, "work": work, "out": out}

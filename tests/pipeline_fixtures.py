@@ -1,6 +1,7 @@
 """Offline fixtures for the evidence pipeline tests: a word-level tokenizer with a chat template, parquet
 files with the real column layouts of the five declared datasets in a mirror directory, and a data
-manifest locked to those files. Everything is made on the fly; nothing touches the network."""
+manifest locked to those files; a measurement-only prompt set and the pipeline's command line for them
+(conftest.py runs it once per session). Everything is made on the fly; nothing touches the network."""
 
 import copy
 import json

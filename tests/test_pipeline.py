@@ -68,13 +68,13 @@ def test_end_to_end_package_loads_strictly_and_drafts(pipeline_run):
     assert card["name"] == "tiny-test-drafter" and card["random_weights"] is True
 
 
-def test_package_holds_exactly_the_inventory_its_settings_make(inputs, pipeline_run):
+def test_package_holds_exactly_the_inventory_its_settings_make(pipeline_inputs, pipeline_run):
     """The shape arithmetic that declares the full-scale inventory (evidence/inventory.py) against what the
     pipeline's writers really wrote: every tensor, dtype and shape, the bf16 LoRA matrices included."""
     config = json.loads(TINY_CONFIG.read_text())
     gptq, lora = config["gptq"], config["lora"]
     expected = package_inventory(
-        json.loads((inputs["base"] / "config.json").read_text()),
+        json.loads((pipeline_inputs["base"] / "config.json").read_text()),
         gptq["group_size"],
         getattr(torch, gptq["store_dtype"]),
         gptq["embedding_group_size"],
@@ -84,8 +84,8 @@ def test_package_holds_exactly_the_inventory_its_settings_make(inputs, pipeline_
     assert {dtype for dtype, _ in expected["lora.safetensors"].values()} == {"BF16"}
 
 
-def test_plan_of_a_local_run_checks_the_local_base(inputs, tmp_path, capsys):
-    summary = run_pipeline.main([*pipeline_argv(inputs, tmp_path / "work", tmp_path / "out"), "--plan"])
+def test_plan_of_a_local_run_checks_the_local_base(pipeline_inputs, tmp_path, capsys):
+    summary = run_pipeline.main([*pipeline_argv(pipeline_inputs, tmp_path / "work", tmp_path / "out"), "--plan"])
     out = capsys.readouterr().out
     assert summary["stages"] == ["prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data"]
     assert "from BASE/config.json" in out and all(check["ok"] for check in summary["checks"] if check["fatal"])
@@ -124,35 +124,45 @@ def test_end_to_end_record_reports_every_stage(pipeline_run):
     assert stored["evidence_pipeline"]["holdout_tau"] == record["holdout_tau"]
 
 
-def test_package_ships_the_tokenizer_it_was_trained_with_under_its_checksums(inputs, pipeline_run):
+def test_package_ships_the_tokenizer_it_was_trained_with_under_its_checksums(pipeline_inputs, pipeline_run):
     """An engine reads the package's tokenizer and chat template to make the ids it sends to /draft."""
     from transformers import AutoTokenizer
 
     out = pipeline_run["out"]
     for name in packages.TOKENIZER_FILES:
-        assert (out / name).read_bytes() == (inputs["tokenizer"] / name).read_bytes()
+        assert (out / name).read_bytes() == (pipeline_inputs["tokenizer"] / name).read_bytes()
     checksums = json.loads((out / "checksums.json").read_text())["sha256"]
     assert set(packages.TOKENIZER_FILES) <= set(checksums)
     messages = [{"role": "user", "content": "tell me how to draw a tree"}]
-    expected = prepare_prompts.encode(AutoTokenizer.from_pretrained(inputs["tokenizer"]), messages, False)
+    expected = prepare_prompts.encode(AutoTokenizer.from_pretrained(pipeline_inputs["tokenizer"]), messages, False)
     assert prepare_prompts.encode(AutoTokenizer.from_pretrained(out), messages, False) == expected
 
 
-def test_dense_from_package_gives_the_weights_the_server_drafts_with(pipeline_run, tmp_path):
-    """Continuing distillation from a package starts from exactly its INT4 weights with the LoRA merged."""
+def test_dense_from_package_drafts_what_the_server_drafts(pipeline_run, tmp_path):
+    """Continuing distillation from a package starts from the weights the server drafts with: the dense
+    checkpoint's greedy tokens are the package's drafts, and it carries the package's tokenizer."""
+    from tiny_models import random_rows, reference_greedy
     from transformers import AutoModelForCausalLM
 
-    from evidence.packages import dequantized_model
     from evidence.train import dense_from_package
 
-    dense_from_package.main(["--package", str(pipeline_run["out"]), "--out", str(tmp_path / "dense")])
+    out = pipeline_run["out"]
+    report = dense_from_package.main(["--package", str(out), "--out", str(tmp_path / "dense")])
+    assert (
+        report["tokenizer"]
+        and (tmp_path / "dense" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    )
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
-    ids = torch.tensor([[3, 7, 40, 41, 2, 3, 8, 9]])
-    with torch.no_grad():
-        assert torch.equal(dense(ids).logits, dequantized_model(pipeline_run["out"], with_lora=True)(ids).logits)
-    with pytest.raises(common.UserError, match="not a model package"):
-        dense_from_package.main(["--package", str(tmp_path / "dense"), "--out", str(tmp_path / "again")])
-    assert not (tmp_path / "again").exists()
+    rows = random_rows([9, 30, 57], seed=3)
+    drafts = draft_model.draft_batch(draft_model.load_model(out, "cpu", "float32"), rows, max_tokens=8)
+    assert [reference_greedy(dense, row, 8) for row in rows] == drafts
+    for package, target, message in (
+        (tmp_path / "dense", tmp_path / "again", "not a model package"),
+        (out, out, "is the package itself"),
+    ):
+        with pytest.raises(common.UserError, match=message):
+            dense_from_package.main(["--package", str(package), "--out", str(target)])
+    assert not (tmp_path / "again").exists() and (out / "quant_config.json").is_file()
 
 
 def test_distillation_lowers_the_training_loss(pipeline_run):
@@ -185,9 +195,9 @@ def test_lora_adapter_is_a_peft_adapter(pipeline_run, tmp_path):
     )  # trained, not the zero init
 
 
-def test_rerun_skips_every_finished_stage(inputs, pipeline_run):
+def test_rerun_skips_every_finished_stage(pipeline_inputs, pipeline_run):
     before = (pipeline_run["out"] / "model_int4.safetensors").read_bytes()
-    record = run_pipeline.main(pipeline_argv(inputs, pipeline_run["work"], pipeline_run["out"]))
+    record = run_pipeline.main(pipeline_argv(pipeline_inputs, pipeline_run["work"], pipeline_run["out"]))
     log = (pipeline_run["work"] / "run_pipeline.log").read_text()
     for stage in ("prompts", "aya", "magpie", "data", "distill", "gptq", "lora", "eval_data"):
         assert f"stage {stage}: unchanged, skipped" in log
@@ -206,11 +216,11 @@ def test_measurement_prompts_must_not_be_training_prompts(pipeline_run, tmp_path
         )
 
 
-def test_hub_model_without_pinned_revision_is_refused(inputs, tmp_path):
+def test_hub_model_without_pinned_revision_is_refused(pipeline_inputs, tmp_path):
     config = json.loads(TINY_CONFIG.read_text()) | {"teacher": {"repo": "Qwen/Qwen3-8B", "revision": None}}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    argv = pipeline_argv(inputs, tmp_path / "work", tmp_path / "out")
+    argv = pipeline_argv(pipeline_inputs, tmp_path / "work", tmp_path / "out")
     argv[argv.index("--config") + 1] = str(path)
     teacher_at = argv.index("--teacher")
     del argv[teacher_at : teacher_at + 2]
@@ -226,10 +236,10 @@ def labels_config(tmp_path: Path, labels: Path) -> Path:
     return path
 
 
-def test_a_config_with_labels_starts_at_distillation_on_them(inputs, pipeline_run, tmp_path):
+def test_a_config_with_labels_starts_at_distillation_on_them(pipeline_inputs, pipeline_run, tmp_path):
     labels = tmp_path / "labels"
     shutil.copytree(pipeline_run["work"] / "data", labels)
-    argv = pipeline_argv(inputs, tmp_path / "work", tmp_path / "out")
+    argv = pipeline_argv(pipeline_inputs, tmp_path / "work", tmp_path / "out")
     argv[argv.index("--config") + 1] = str(labels_config(tmp_path, labels))
     record = run_pipeline.main(argv)
     assert [c.split()[2] for c in record["commands"]] == [
@@ -243,13 +253,13 @@ def test_a_config_with_labels_starts_at_distillation_on_them(inputs, pipeline_ru
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in pipeline_run["out"].iterdir())
 
 
-def test_labels_that_differ_from_their_index_are_refused(inputs, pipeline_run, tmp_path, capsys):
+def test_labels_that_differ_from_their_index_are_refused(pipeline_inputs, pipeline_run, tmp_path, capsys):
     labels = tmp_path / "labels"
     shutil.copytree(pipeline_run["work"] / "data", labels)
     shard = sorted(labels.glob("shard-*.safetensors"))[0]
     data = shard.read_bytes()
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of the last tensor
-    argv = pipeline_argv(inputs, tmp_path / "work", tmp_path / "out")
+    argv = pipeline_argv(pipeline_inputs, tmp_path / "work", tmp_path / "out")
     argv[argv.index("--config") + 1] = str(labels_config(tmp_path, labels))
     with pytest.raises(common.UserError, match=rf"{shard.name} is missing or differs from index.json"):
         run_pipeline.main(argv)
@@ -259,10 +269,10 @@ def test_labels_that_differ_from_their_index_are_refused(inputs, pipeline_run, t
     assert f"FAIL teacher labels {labels}" in capsys.readouterr().out
 
 
-def test_a_tokenizer_directory_without_tokenizer_json_is_refused_before_any_stage(inputs, tmp_path):
+def test_a_tokenizer_directory_without_tokenizer_json_is_refused_before_any_stage(pipeline_inputs, tmp_path):
     empty = tmp_path / "not-a-tokenizer"
     empty.mkdir()
-    argv = pipeline_argv(inputs, tmp_path / "work", tmp_path / "out")
+    argv = pipeline_argv(pipeline_inputs, tmp_path / "work", tmp_path / "out")
     argv[argv.index("--tokenizer") + 1] = str(empty)
     with pytest.raises(common.UserError, match="holds no tokenizer.json"):
         run_pipeline.main(argv)

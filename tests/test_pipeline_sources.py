@@ -31,7 +31,7 @@ def test_prompts_take_the_user_turn_in_the_chat_template(pipeline_run):
     assert sorted({r["language"] for r in aya}) == ["English", "French", "Swahili"] and len(aya) == 12
 
 
-def run_magpie(inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
+def run_magpie(pipeline_inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
     from evidence.prompts import magpie_prompts
 
     return magpie_prompts.main(
@@ -39,9 +39,9 @@ def run_magpie(inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
             "--prompts",
             str(prompts),
             "--teacher",
-            str(inputs["teacher"]),
+            str(pipeline_inputs["teacher"]),
             "--tokenizer",
-            str(inputs["tokenizer"]),
+            str(pipeline_inputs["tokenizer"]),
             "--count",
             "5",
             "--batch-size",
@@ -61,35 +61,37 @@ def run_magpie(inputs: dict, prompts: Path, out: Path, *extra: str) -> dict:
     )
 
 
-def test_magpie_prompts_are_reproducible_resumable_new_and_templated(inputs, pipeline_run, tmp_path):
+def test_magpie_prompts_are_reproducible_resumable_new_and_templated(pipeline_inputs, pipeline_run, tmp_path):
     from evidence.prompts.magpie_prompts import normalized, user_text
 
     existing = pipeline_run["work"] / "prompts_aya.jsonl"
-    first = run_magpie(inputs, existing, tmp_path / "a.jsonl", "--exclude", str(inputs["eval_prompts"]))
+    first = run_magpie(
+        pipeline_inputs, existing, tmp_path / "a.jsonl", "--exclude", str(pipeline_inputs["eval_prompts"])
+    )
     rows = common.read_jsonl(tmp_path / "a.jsonl")
     base, added = rows[: -first["added"]], rows[-first["added"] :]
     assert base == common.read_jsonl(existing) and first["added"] == 5 and first["settings"]["seed"] == 0
-    tokenizer = prepare_prompts.load_tokenizer(str(inputs["tokenizer"]), None)
+    tokenizer = prepare_prompts.load_tokenizer(str(pipeline_inputs["tokenizer"]), None)
     for row in added:
         assert row["source"] == "magpie" and row["id"].startswith("magpie:")
         assert row["token_ids"] == prepare_prompts.encode(tokenizer, row["messages"], enable_thinking=False)
-    texts = [normalized(user_text(row)) for row in common.read_jsonl(inputs["eval_prompts"]) + rows]
+    texts = [normalized(user_text(row)) for row in common.read_jsonl(pipeline_inputs["eval_prompts"]) + rows]
     assert len(texts) == len(set(texts))  # no repeats, none of the measurement prompts
 
     # The same seed gives the same prompts; a run killed mid-round resumes from the finished rounds.
     rounds = tmp_path / "a.jsonl.magpie_prompts.rounds.jsonl"
     lines = rounds.read_text().splitlines(keepends=True)
     rounds.write_text("".join(lines[:-1]) + lines[-1][:20])  # the last round torn in the middle of its line
-    run_magpie(inputs, existing, tmp_path / "a.jsonl", "--exclude", str(inputs["eval_prompts"]))
+    run_magpie(pipeline_inputs, existing, tmp_path / "a.jsonl", "--exclude", str(pipeline_inputs["eval_prompts"]))
     assert common.read_jsonl(tmp_path / "a.jsonl") == rows
     assert all(json.loads(line) for line in rounds.read_text().splitlines())  # the torn line is gone, not appended to
-    other_seed = run_magpie(inputs, existing, tmp_path / "b.jsonl", "--seed", "1")
+    other_seed = run_magpie(pipeline_inputs, existing, tmp_path / "b.jsonl", "--seed", "1")
     assert other_seed["settings"]["seed"] == 1 and common.read_jsonl(tmp_path / "b.jsonl")[-5:] != added
     with pytest.raises(common.UserError, match="was made with other settings"):
-        run_magpie(inputs, existing, tmp_path / "a.jsonl", "--seed", "1")
+        run_magpie(pipeline_inputs, existing, tmp_path / "a.jsonl", "--seed", "1")
 
 
-def test_magpie_categories_steer_each_round_and_tag_the_prompts(inputs, pipeline_run, tmp_path):
+def test_magpie_categories_steer_each_round_and_tag_the_prompts(pipeline_inputs, pipeline_run, tmp_path):
     from evidence.prompts.magpie_prompts import round_steering, user_prefix_ids
 
     categories = {
@@ -99,7 +101,9 @@ def test_magpie_categories_steer_each_round_and_tag_the_prompts(inputs, pipeline
     path = tmp_path / "categories.json"
     path.write_text(json.dumps(categories))
     existing = pipeline_run["work"] / "prompts_aya.jsonl"
-    summary = run_magpie(inputs, existing, tmp_path / "c.jsonl", "--categories", str(path), "--max-rounds", "4")
+    summary = run_magpie(
+        pipeline_inputs, existing, tmp_path / "c.jsonl", "--categories", str(path), "--max-rounds", "4"
+    )
     assert summary["settings"]["categories"] == categories  # recorded, so a resume with other steering refuses
     added = common.read_jsonl(tmp_path / "c.jsonl")[-summary["added"] :]
     for row in added:
@@ -110,25 +114,25 @@ def test_magpie_categories_steer_each_round_and_tag_the_prompts(inputs, pipeline
         assert row["messages"][0]["content"].startswith(opener)
     assert sum(summary["per_category"].values()) == summary["added"]
     assert [round_steering(categories, r)[2] for r in range(4)] == ["tell me", "how many", "write a", "how many"]
-    tokenizer = prepare_prompts.load_tokenizer(str(inputs["tokenizer"]), None)
+    tokenizer = prepare_prompts.load_tokenizer(str(pipeline_inputs["tokenizer"]), None)
     plain = user_prefix_ids(tokenizer, enable_thinking=False)
     steered = user_prefix_ids(tokenizer, enable_thinking=False, system="you count the days", opener="how many")
     assert steered != plain and steered[-2:] == tokenizer("how many", add_special_tokens=False)["input_ids"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"math": {"system": "x", "openers": []}}))
     with pytest.raises(common.UserError, match="openers"):
-        run_magpie(inputs, existing, tmp_path / "d.jsonl", "--categories", str(bad))
+        run_magpie(pipeline_inputs, existing, tmp_path / "d.jsonl", "--categories", str(bad))
 
 
-def run_prompts(inputs: dict, manifest: Path, out: Path, *extra: str) -> dict:
+def run_prompts(pipeline_inputs: dict, manifest: Path, out: Path, *extra: str) -> dict:
     return prepare_prompts.main(
         [
             "--manifest",
             str(manifest),
             "--mirror",
-            str(inputs["mirror"]),
+            str(pipeline_inputs["mirror"]),
             "--tokenizer",
-            str(inputs["tokenizer"]),
+            str(pipeline_inputs["tokenizer"]),
             "--sources",
             "gsm8k",
             "--out",
@@ -138,43 +142,47 @@ def run_prompts(inputs: dict, manifest: Path, out: Path, *extra: str) -> dict:
     )
 
 
-def edited_manifest(inputs: dict, tmp_path: Path, name: str, **changes) -> Path:
-    manifest = json.loads(inputs["manifest"].read_text())
+def edited_manifest(pipeline_inputs: dict, tmp_path: Path, name: str, **changes) -> Path:
+    manifest = json.loads(pipeline_inputs["manifest"].read_text())
     manifest["datasets"][name].update(changes)
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(manifest))
     return path
 
 
-def test_thinking_flag_changes_the_template_and_is_recorded(inputs, tmp_path):
-    summary = run_prompts(inputs, inputs["manifest"], tmp_path / "p.jsonl", "--enable-thinking")
+def test_thinking_flag_changes_the_template_and_is_recorded(pipeline_inputs, tmp_path):
+    summary = run_prompts(pipeline_inputs, pipeline_inputs["manifest"], tmp_path / "p.jsonl", "--enable-thinking")
     assert summary["enable_thinking"] is True
     assert common.read_jsonl(tmp_path / "p.jsonl")[0]["token_ids"][-3:] == [2, 3, 7]  # no empty think block
 
 
-def test_refuses_a_file_whose_sha256_differs(inputs, tmp_path):
-    manifest = edited_manifest(inputs, tmp_path, "gsm8k")
+def test_refuses_a_file_whose_sha256_differs(pipeline_inputs, tmp_path):
+    manifest = edited_manifest(pipeline_inputs, tmp_path, "gsm8k")
     entry = json.loads(manifest.read_text())["datasets"]["gsm8k"]
     entry["files"][0]["sha256"] = "0" * 64
-    edited = edited_manifest(inputs, tmp_path, "gsm8k", files=entry["files"])
+    edited = edited_manifest(pipeline_inputs, tmp_path, "gsm8k", files=entry["files"])
     with pytest.raises(
         common.UserError,
         match=r"dataset 'gsm8k': .*train-00000-of-00001.parquet has sha256 \w+ but the manifest records 0{64}",
     ):
-        run_prompts(inputs, edited, tmp_path / "p.jsonl")
+        run_prompts(pipeline_inputs, edited, tmp_path / "p.jsonl")
 
 
-def test_refuses_an_unpinned_revision(inputs, tmp_path):
+def test_refuses_an_unpinned_revision(pipeline_inputs, tmp_path):
     with pytest.raises(common.UserError, match=r"dataset 'gsm8k' has unpinned revision 'main'"):
-        run_prompts(inputs, edited_manifest(inputs, tmp_path, "gsm8k", revision="main"), tmp_path / "p.jsonl")
+        run_prompts(
+            pipeline_inputs, edited_manifest(pipeline_inputs, tmp_path, "gsm8k", revision="main"), tmp_path / "p.jsonl"
+        )
 
 
-def test_refuses_an_unlocked_entry_unless_locking(inputs, tmp_path):
+def test_refuses_an_unlocked_entry_unless_locking(pipeline_inputs, tmp_path):
     with pytest.raises(
         common.UserError, match=r"dataset 'gsm8k' is not locked \(revision None\); run the fetch with --lock"
     ):
         run_prompts(
-            inputs, edited_manifest(inputs, tmp_path, "gsm8k", revision=None, locked=False), tmp_path / "p.jsonl"
+            pipeline_inputs,
+            edited_manifest(pipeline_inputs, tmp_path, "gsm8k", revision=None, locked=False),
+            tmp_path / "p.jsonl",
         )
 
 
@@ -200,13 +208,15 @@ def test_repo_manifest_hub_entries_are_plainly_unlocked():
         ),
     ],
 )
-def test_refuses_test_and_validation_splits(inputs, tmp_path, changes, message):
+def test_refuses_test_and_validation_splits(pipeline_inputs, tmp_path, changes, message):
     with pytest.raises(common.UserError, match=message):
-        run_prompts(inputs, edited_manifest(inputs, tmp_path, "gsm8k", **changes), tmp_path / "p.jsonl")
+        run_prompts(
+            pipeline_inputs, edited_manifest(pipeline_inputs, tmp_path, "gsm8k", **changes), tmp_path / "p.jsonl"
+        )
 
 
-def test_command_line_refusal_is_one_message_and_exit_status_2(inputs, tmp_path):
-    manifest = edited_manifest(inputs, tmp_path, "gsm8k", revision="v1.0")
+def test_command_line_refusal_is_one_message_and_exit_status_2(pipeline_inputs, tmp_path):
+    manifest = edited_manifest(pipeline_inputs, tmp_path, "gsm8k", revision="v1.0")
     result = subprocess.run(
         [
             sys.executable,
@@ -215,9 +225,9 @@ def test_command_line_refusal_is_one_message_and_exit_status_2(inputs, tmp_path)
             "--manifest",
             str(manifest),
             "--mirror",
-            str(inputs["mirror"]),
+            str(pipeline_inputs["mirror"]),
             "--tokenizer",
-            str(inputs["tokenizer"]),
+            str(pipeline_inputs["tokenizer"]),
             "--sources",
             "gsm8k",
             "--out",
@@ -233,7 +243,7 @@ def test_command_line_refusal_is_one_message_and_exit_status_2(inputs, tmp_path)
     assert not (tmp_path / "p.jsonl").exists()
 
 
-def test_missing_column_is_named(inputs, tmp_path):
+def test_missing_column_is_named(pipeline_inputs, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -242,7 +252,7 @@ def test_missing_column_is_named(inputs, tmp_path):
     path.parent.mkdir(parents=True)
     pq.write_table(pa.table({"question_text": ["a b"], "answer": ["c"]}), path)
     manifest = edited_manifest(
-        inputs,
+        pipeline_inputs,
         tmp_path,
         "gsm8k",
         files=[{"path": "main/train-00000-of-00001.parquet", "sha256": common.sha256_file(path), "rows": 1}],
@@ -255,7 +265,7 @@ def test_missing_column_is_named(inputs, tmp_path):
                 "--mirror",
                 str(mirror),
                 "--tokenizer",
-                str(inputs["tokenizer"]),
+                str(pipeline_inputs["tokenizer"]),
                 "--sources",
                 "gsm8k",
                 "--out",

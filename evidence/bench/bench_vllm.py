@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
 from evidence import common, packages
 
@@ -107,10 +106,7 @@ def prepare_draft(small: Path, package: Path, work: Path, logger) -> Path:
     draft = work / "draft"
     if not draft.is_dir():
         logger.info("writing %s as a Hugging Face directory (INT4 dequantized, LoRA merged, fp32)", package)
-        model = packages.dequantized_model(package, dtype=torch.float32, with_lora=True)
-        with common.atomic_directory(draft) as staging:
-            model.save_pretrained(staging, safe_serialization=True)
-            packages.copy_tokenizer(small / "tokenizer", staging)
+        packages.save_dense(package, draft, tokenizer=small / "tokenizer")
     return draft
 
 

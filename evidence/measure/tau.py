@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import draft_model
 from evidence import common
-from evidence.packages import load_any_model
-from evidence.teacher.gen_data import collate, load_examples
+from evidence.packages import dequantized_model, load_any_model
+from evidence.teacher.gen_data import collate, generate_transformers, load_examples
 
 
 @dataclass
@@ -134,6 +135,27 @@ def argmax_agreement(first: list[torch.Tensor], second: list[torch.Tensor]) -> f
     """Fraction of positions where two models' teacher-forced argmaxes agree."""
     same = sum(int((a == b).sum()) for a, b in zip(first, second))
     total = sum(len(a) for a in first)
+    return same / total if total else float("nan")
+
+
+@torch.no_grad()
+def package_draft_agreement(package: Path, data: Path, k: int, rows: int = 4) -> float:
+    """draft_model's greedy drafts from the package vs greedy decoding of the Hugging Face model the
+    pipeline measured (dequantized INT4 + merged LoRA), on a few holdout prompts: the fraction of the
+    compared draft tokens that are equal (1.0 means the package means what was measured)."""
+    device = common.pick_device(None)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    examples = load_examples(data, "holdout")[:rows]
+    drafter = draft_model.load_model(package, device=device, dtype=dtype)
+    prompts = [e["prompt_ids"].tolist() for e in examples]
+    drafts = draft_model.draft_batch(drafter, prompts, max_tokens=k)
+    reference = dequantized_model(package, device=device, dtype=dtype)
+    same = total = 0
+    for prompt, draft in zip(prompts, drafts):
+        expected = generate_transformers(reference, [prompt], max_new_tokens=k, top_k=1, eos_ids=[-1])[0][0].tolist()
+        compared = min(len(draft), len(expected))
+        same += sum(int(a == b) for a, b in zip(list(draft)[:compared], expected[:compared]))
+        total += compared
     return same / total if total else float("nan")
 
 

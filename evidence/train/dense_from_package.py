@@ -2,8 +2,8 @@
 
 A package holds INT4 weights and a LoRA adapter, not the student it was quantized from; when that student
 is gone (another machine, another sitting), this rebuilds the closest one: the INT4 weights dequantized
-with the LoRA merged, exactly the weights the server drafts with, in fp32. Pass the output as
-train_drafter's or run_pipeline's --base.
+with the LoRA merged, exactly the weights the server drafts with, in fp32, beside the package's tokenizer
+files. Pass the output as train_drafter's or run_pipeline's --base.
 
     python -m evidence.train.dense_from_package --package model --out BASE_DIR
 """
@@ -32,14 +32,9 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info(
         "command: python -m evidence.train.dense_from_package %s", " ".join(sys.argv[1:] if argv is None else argv)
     )
-    model = packages.dequantized_model(args.package, with_lora=True)
-    with common.atomic_directory(args.out) as staging:
-        model.save_pretrained(staging, safe_serialization=True)
-    report = {
-        "package": str(args.package),
-        "out": str(args.out),
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
+    tokenizer = args.package if (args.package / "tokenizer.json").is_file() else None
+    report = {"package": str(args.package), "out": str(args.out), "tokenizer": tokenizer is not None}
+    report["parameters"] = packages.save_dense(args.package, args.out, tokenizer)
     logger.info("wrote %s (%d parameters)", args.out, report["parameters"])
     return report
 
