@@ -277,3 +277,30 @@ def test_a_tokenizer_directory_without_tokenizer_json_is_refused_before_any_stag
     with pytest.raises(common.UserError, match="holds no tokenizer.json"):
         run_pipeline.main(argv)
     assert not (tmp_path / "out").exists() and not (tmp_path / "work" / "prompts.jsonl").exists()
+
+
+def test_a_hub_tokenizer_is_fetched_at_its_pin_and_a_failed_fetch_is_one_line(pipeline_inputs, tmp_path, monkeypatch):
+    import logging
+
+    from pipeline_fixtures import FAKE_REVISION
+
+    config = run_pipeline.load_config(TINY_CONFIG) | {"tokenizer": {"repo": "org/tokenizer", "revision": FAKE_REVISION}}
+    argv = pipeline_argv(pipeline_inputs, tmp_path / "work", tmp_path / "out")
+    del argv[argv.index("--tokenizer") : argv.index("--tokenizer") + 2]
+    pipeline = run_pipeline.Pipeline(run_pipeline.parse_args(argv), config, logging.getLogger("test"))
+    asked = []
+
+    def download(repo, **options):
+        asked.append((repo, options["revision"], tuple(options["allow_patterns"])))
+        return str(pipeline_inputs["tokenizer"])
+
+    monkeypatch.setattr(run_pipeline, "snapshot_download", download)
+    assert pipeline.tokenizer_dir() == pipeline_inputs["tokenizer"]
+    assert asked == [("org/tokenizer", FAKE_REVISION, packages.TOKENIZER_FILES)]
+
+    def offline(repo, **options):
+        raise OSError("no network")
+
+    monkeypatch.setattr(run_pipeline, "snapshot_download", offline)
+    with pytest.raises(common.UserError, match=f"tokenizer org/tokenizer@{FAKE_REVISION}: OSError: no network"):
+        pipeline.tokenizer_dir()
