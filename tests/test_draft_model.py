@@ -317,11 +317,11 @@ def test_max_context_must_fit_the_model(qwen3):
 # Drafts of the shipped model/ on the exact path (dense fp32), recorded when model/ was last replaced (the
 # ShareGPT-trained package): refactoring the drafter must not change what model/ drafts.
 PINNED_MODEL_DRAFTS = [
-    [288, 724, 346, 351, 469, 1861, 30, 3726],
-    [2320, 30, 1216, 2320, 1453, 2320, 28, 2320],
-    [28, 1285, 260, 4097, 8549, 8549, 28, 284],
-    [288, 1538, 1096, 563, 260, 10132, 10132, 10132],
-    [30, 378, 10916, 8549, 8549, 8549, 8549, 5246],
+    [30, 378, 768, 282, 260, 768, 282, 260],
+    [2320, 30, 378, 10132, 10132, 10132, 10132, 10132],
+    [540, 4854, 438, 30, 1216, 3113, 3113, 6728],
+    [288, 1538, 5861, 1844, 30, 378, 2071, 2071],
+    [30, 378, 10132, 10132, 10132, 10132, 10132, 10132],
 ]
 
 
