@@ -278,6 +278,11 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
 KEY_BLOCK = CHUNK  # keys per attention block: a chunk, so a chunk's window is whole blocks
 
 
+def stack_queries(products: list[torch.Tensor]) -> torch.Tensor:
+    """Per-query results stacked on a new first dimension; a decode step's one query without a copy."""
+    return products[0][None] if len(products) == 1 else torch.stack(products)
+
+
 def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Causal attention of a few queries per row, exact whatever the window: q (G, T, H, D) at positions (G, T)
     over keys, values (G, H_kv, W, D) with W a multiple of KEY_BLOCK -> (G, T, H, D), in fp32 math.
@@ -293,27 +298,29 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     G, T, H, D = q.shape
     H_kv, W = keys.shape[1], keys.shape[2]
     group, blocks = H // H_kv, W // KEY_BLOCK
-    products = (G, H_kv, T, blocks)  # one (group, D) x (D, KEY_BLOCK) product each
+    products = (T, G, H_kv, blocks)  # one (group, D) x (D, KEY_BLOCK) product each
     # Every operand laid out contiguously, whatever the strides of q (a view of the fused projection) and
-    # whatever T: batched matmul may take another code path, with other bits, for other layouts.
-    grouped = q.float().view(G, T, H_kv, group, D).transpose(1, 2)[:, :, :, None]  # (G, H_kv, T, 1, group, D)
-    grouped = grouped.expand(*products, group, D).contiguous().view(-1, group, D)
-    k = keys.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D).expand(*products, KEY_BLOCK, D).contiguous()
-    v = values.float().view(G, H_kv, 1, blocks, KEY_BLOCK, D).expand(*products, KEY_BLOCK, D).contiguous()
-    row_positions = positions.view(G, 1, T, 1, 1, 1)
+    # whatever T: batched matmul may take another code path, with other bits, for other layouts. The queries
+    # come first, so that one batched product per query serves all its blocks, and the keys and values are
+    # read as they are rather than copied once per query.
+    grouped = q.float().view(G, T, H_kv, group, D).transpose(0, 1)[:, :, :, None]  # (T, G, H_kv, 1, group, D)
+    grouped = grouped.expand(*products, group, D).contiguous().view(T, -1, group, D)
+    k = keys.float().reshape(-1, KEY_BLOCK, D).transpose(1, 2)  # (G * H_kv * blocks, D, KEY_BLOCK)
+    v = values.float().reshape(-1, KEY_BLOCK, D)
+    row_positions = positions.t().reshape(T, G, 1, 1, 1, 1)
     key_positions = torch.arange(W, device=q.device).view(blocks, 1, KEY_BLOCK)
-    scores = torch.bmm(grouped, k.view(-1, KEY_BLOCK, D).transpose(1, 2)).mul_(D**-0.5)
+    scores = stack_queries([torch.bmm(query, k) for query in grouped]).mul_(D**-0.5)
     scores = scores.view(*products, group, KEY_BLOCK)
     scores = scores.masked_fill_(key_positions > row_positions, float("-inf"))  # also hides unwritten memory
     block_max = scores.amax(dim=-1, keepdim=True)  # (..., group, 1)
     probs = (scores - block_max).exp_()
     block_sum = probs.sum(dim=-1, keepdim=True)
-    block_out = torch.bmm(probs.view(-1, group, KEY_BLOCK), v.view(-1, KEY_BLOCK, D)).view(*products, group, D)
+    block_out = stack_queries([torch.bmm(p.view(-1, group, KEY_BLOCK), v) for p in probs]).view(*products, group, D)
     weight = (block_max - block_max.amax(dim=3, keepdim=True)).exp_()  # each block's share of the softmax
-    last = (row_positions // KEY_BLOCK).clamp_(min=0).expand(G, H_kv, T, 1, group, 1)
+    last = (row_positions // KEY_BLOCK).clamp_(min=0).expand(T, G, H_kv, 1, group, 1)
     total = (weight * block_sum).cumsum(dim=3).gather(3, last)
     out = (weight * block_out).cumsum(dim=3).gather(3, last.expand(*last.shape[:-1], D)).div_(total)
-    return out.view(G, H_kv, T, group, D).transpose(1, 2).reshape(G, T, H, D).to(q.dtype)
+    return out.view(T, G, H_kv, group, D).transpose(0, 1).reshape(G, T, H, D).to(q.dtype)
 
 
 class Attention(nn.Module):

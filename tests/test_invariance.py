@@ -11,10 +11,12 @@ common; prompt lengths straddle the engine's 64-position chunks.
 import random
 
 import pytest
+import torch
 from tiny_models import write_default_path_package
 
 import draft_model
 import int4
+from transformer import block_attention
 
 LENGTHS = [1, 7, 63, 64, 65, 100, 127, 128, 130, 200]
 
@@ -85,3 +87,22 @@ def test_harness_follow_ups_draft_what_a_cold_call_drafts(package, kernel):
 def test_the_default_path_is_packed_bf16(package):
     drafter = draft_model.load_model(package)
     assert drafter.weights == "packed" and drafter.dtype.is_floating_point and str(drafter.dtype) == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("queries, window", [(1, 64), (4, 320), (63, 576)])
+def test_block_attention_gives_each_query_its_own_bits_and_softmax_attention(queries, window):
+    """A prefill's last chunk (many queries of one row) and decode steps (one query each) share the cache,
+    so each query's result must not depend on the queries beside it; and it is causal softmax attention."""
+    generator = torch.Generator().manual_seed(queries)
+    q = torch.randn(1, queries, 9, 64, generator=generator).bfloat16()  # 9 heads sharing 3 kv heads
+    keys, values = (torch.randn(1, 3, window, 64, generator=generator).bfloat16() for _ in range(2))
+    positions = torch.arange(window - queries, window)[None]  # the last `queries` positions of the window
+    together = block_attention(q, keys, values, positions)
+    for t in range(queries):
+        alone = block_attention(q[:, t : t + 1], keys, values, positions[:, t : t + 1])
+        assert torch.equal(together[:, t : t + 1], alone)
+    mask = torch.arange(window)[None] <= positions[0, :, None]  # (queries, window)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q[0].transpose(0, 1).float(), keys[0].float(), values[0].float(), attn_mask=mask, enable_gqa=True
+    )
+    torch.testing.assert_close(together[0].float(), reference.transpose(0, 1), atol=1e-2, rtol=1e-2)

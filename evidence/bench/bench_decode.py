@@ -7,10 +7,12 @@ the tied embedding table as round-to-nearest GPTQ INT4 (groups of --group-size),
 --tokens single-token decode steps after it, --repeats times, and prints medians:
 
   ours          draft_model on the package (packed INT4, bf16 activations), the default path
+  ours compiled the same with its decode step compiled (`--compile on`; torch.compile, built before timing)
   llama.cpp     llama-cpp-python on the GGUF (the `bench` extra; it builds from source, ~9 minutes)
   transformers  the Hugging Face checkpoint in bf16 with its dynamic KV cache
 
-plus our prefill time for the context and a per-op profile of our decode steps (torch.profiler).
+plus our prefill time for the context and a per-op profile of our eager decode steps (torch.profiler). It
+prints the CPU's flags and the kernel our loader chose first.
 
 Reads --gguf; writes the converted checkpoint and the package under --work (reused when present) and,
 with --json, the figures.
@@ -75,19 +77,18 @@ def median_per_token(step, tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_ours(package: Path, prompt: list[int], tokens: int, repeats: int) -> dict:
-    drafter = draft_model.load_model(package, cache_slots=2, max_context=len(prompt) + tokens + 64)
+def time_ours(package: Path, prompt: list[int], tokens: int, repeats: int, compiled: bool) -> dict:
+    drafter = draft_model.load_model(package, cache_slots=2, max_context=len(prompt) + tokens + 64, compiled=compiled)
     start = time.perf_counter()
     draft_model.draft_batch(drafter, [prompt], max_tokens=1)
     prefill = time.perf_counter() - start
+    if compiled:
+        draft_model.draft_batch(drafter, [prompt], max_tokens=2)  # builds the batch-1 step before any timing
     # A draft of n + 1 tokens minus a draft of 1 from the same cached prompt: n decode steps.
     short = median_per_token(lambda _: draft_model.draft_batch(drafter, [prompt], max_tokens=1), 1, repeats)
     long = median_per_token(lambda _: draft_model.draft_batch(drafter, [prompt], max_tokens=tokens + 1), 1, repeats)
-    return {
-        "decode_s": (long - short) / tokens,
-        "prefill_s": prefill,
-        "profile": decode_profile(drafter, prompt, tokens),
-    }
+    result = {"decode_s": (long - short) / tokens, "prefill_s": prefill, "kernel": drafter.kernel()["name"]}
+    return result if compiled else result | {"profile": decode_profile(drafter, prompt, tokens)}
 
 
 def decode_profile(drafter: draft_model.Drafter, prompt: list[int], tokens: int) -> str:
@@ -161,21 +162,26 @@ def main() -> None:
         write_int4_package(checkpoint, package, args.group_size)
     draft_model.reuse_freed_memory()
     prompt = torch.randint(0, 49152, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"CPU: {int4.cpu_description()}; our kernel: {int4.choose_cpu_kernel('auto')}", flush=True)
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        row = {"threads": threads, "ours": time_ours(package, prompt, args.tokens, args.repeats)}
+        row = {"threads": threads, "ours": time_ours(package, prompt, args.tokens, args.repeats, compiled=False)}
+        row["ours compiled"] = time_ours(package, prompt, args.tokens, args.repeats, compiled=True)
         row["llama.cpp"] = time_llama_cpp(args.gguf, prompt, args.tokens, args.repeats, threads)
         if not args.no_transformers:
             row["transformers"] = time_transformers(checkpoint, prompt, args.tokens, args.repeats)
         results.append(row)
         cells = "  ".join(
             f"{name} {row[name]['decode_s'] * 1e3:6.2f} ms/token (prefill {row[name]['prefill_s'] * 1e3:.0f} ms)"
-            for name in ("ours", "llama.cpp", "transformers")
+            for name in ("ours", "ours compiled", "llama.cpp", "transformers")
             if name in row
         )
-        ratio = row["ours"]["decode_s"] / row["llama.cpp"]["decode_s"]
-        print(f"threads {threads}, context {args.context}: {cells}  ours/llama.cpp {ratio:.2f}x", flush=True)
+        ratios = " ".join(
+            f"{name}/llama.cpp {row[name]['decode_s'] / row['llama.cpp']['decode_s']:.2f}x"
+            for name in ("ours", "ours compiled")
+        )
+        print(f"threads {threads}, context {args.context}: {cells}  {ratios}", flush=True)
     print("our decode steps, per op (the last thread count):\n" + results[-1]["ours"]["profile"])
     if args.json:
         common.atomic_write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
