@@ -25,7 +25,16 @@ from dataclasses import dataclass
 import torch
 
 from kv_cache import KVCache
-from planning import BATCH_BUCKETS, Piece, batch_bucket, chunk_end, prefill_pieces, waves, window_bucket
+from planning import (
+    BATCH_BUCKETS,
+    Piece,
+    batch_bucket,
+    chunk_end,
+    exact_window,
+    prefill_pieces,
+    waves,
+    window_bucket,
+)
 from transformer import KEY_BLOCK, Plan, Segment, StepPlan, Transformer
 
 PREFILL_TOKENS = 8192  # tokens per prefill forward: bounds its temporaries; each forward unpacks every INT4 layer once
@@ -81,10 +90,11 @@ class Decoded:
 class Decoder:
     """Greedy decoding of a batch in fixed shapes, eager or compiled once per batch bucket.
 
-    Compiled, a batch is padded to its bucket and the keys a step reads to a window bucket (planning.py):
-    the step's graph is built once per batch bucket, with the window as its one dynamic size, and on CUDA
-    it is replayed as a CUDA graph. Eager, the batch keeps its size and the window is the rows' own need
-    (the same bits either way: see block_attention)."""
+    Compiled, a batch is padded to its bucket: the step's graph is built once per batch bucket, with the
+    window as its one dynamic size. On CUDA it is replayed as a CUDA graph, one per window size, so the keys
+    a step reads are padded to a window bucket (planning.py); on the CPU the window is the chunks the rows
+    need. Eager, the batch keeps its size and the window is the rows' own need (the same bits either way:
+    see block_attention)."""
 
     def __init__(
         self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BATCH_BUCKETS, compiled: bool = False
@@ -117,9 +127,10 @@ class Decoder:
     def shapes(self, rows: list[list[int]], budgets: list[int]) -> tuple[int, int]:
         """(batch rows, keys per step) of a call: bucketed when compiled."""
         keys = max(len(row) + budget - 1 for row, budget in zip(rows, budgets))  # the last position fed, plus one
-        if self.compiled:
-            return batch_bucket(len(rows), self.buckets), window_bucket(keys, self.cache.capacity)
-        return len(rows), chunk_end(keys - 1, self.cache.capacity)
+        if not self.compiled:
+            return len(rows), chunk_end(keys - 1, self.cache.capacity)
+        bucket = window_bucket if self.device.type == "cuda" else exact_window  # a CUDA graph per window size
+        return batch_bucket(len(rows), self.buckets), bucket(keys, self.cache.capacity)
 
     def decode(
         self,

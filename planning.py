@@ -92,6 +92,13 @@ def window_bucket(keys: int, capacity: int) -> int:
     return min(window, capacity)
 
 
+def exact_window(keys: int, capacity: int) -> int:
+    """The number of keys a compiled decode step on the CPU reads when its rows need `keys`: the chunks they
+    need, at least two (a compiler treats a size of 1 as a constant). Without CUDA graphs to replay, one
+    graph with the window as its dynamic size serves every window, so none is padded to a power of two."""
+    return max(chunk_end(keys - 1, capacity), min(2 * CHUNK, capacity))
+
+
 def rows_per_call(cache_slots: int, buckets: tuple[int, ...]) -> int:
     """How many rows one engine call takes: SLOTS_PER_ROW slots each, and no more than the largest batch bucket."""
     return min(cache_slots // SLOTS_PER_ROW, buckets[-1])

@@ -37,6 +37,11 @@ def test_windows_are_two_chunks_times_a_power_of_two_within_the_capacity():
     assert planning.chunk_end(63, 4096) == 64 and planning.chunk_end(64, 4096) == 128
 
 
+def test_a_compiled_cpu_step_reads_the_chunks_its_rows_need_and_at_least_two():
+    assert [planning.exact_window(k, 4096) for k in (1, 128, 129, 300, 1000, 4096)] == [128, 128, 192, 320, 1024, 4096]
+    assert planning.exact_window(1, 64) == 64
+
+
 def test_a_slot_holds_the_model_context_up_to_the_default_cap():
     assert planning.default_context(2048) == 2048
     assert planning.default_context(40960) == planning.DEFAULT_MAX_CONTEXT == 4096
