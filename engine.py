@@ -125,12 +125,12 @@ class Decoder:
         return self.device.type == "cpu"
 
     def shapes(self, rows: list[list[int]], budgets: list[int]) -> tuple[int, int]:
-        """(batch rows, keys per step) of a call: bucketed when compiled."""
+        """(batch rows, keys per step) of a call: compiled, the batch bucketed and the window too on CUDA."""
         keys = max(len(row) + budget - 1 for row, budget in zip(rows, budgets))  # the last position fed, plus one
         if not self.compiled:
             return len(rows), chunk_end(keys - 1, self.cache.capacity)
-        bucket = window_bucket if self.device.type == "cuda" else exact_window  # a CUDA graph per window size
-        return batch_bucket(len(rows), self.buckets), bucket(keys, self.cache.capacity)
+        window_of = window_bucket if self.device.type == "cuda" else exact_window  # a CUDA graph per window size
+        return batch_bucket(len(rows), self.buckets), window_of(keys, self.cache.capacity)
 
     def decode(
         self,

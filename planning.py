@@ -4,8 +4,8 @@ Pure functions of lengths and settings (no tensors), shared by the cache, the en
 
 * chunks: keys and values are computed CHUNK positions at a time, aligned to absolute positions, so a
   token is computed the same way whichever call computes it (engine.py says why that matters);
-* buckets: the decode loop runs in a few fixed shapes, a batch padded to a batch bucket and the keys a
-  step reads to a window bucket, so a compiled step serves every request of its bucket.
+* buckets: the decode loop runs in a few fixed shapes, a batch padded to a batch bucket and, on CUDA, the
+  keys a step reads to a window bucket, so a compiled step serves every request of its bucket.
 """
 
 from dataclasses import dataclass
@@ -94,7 +94,8 @@ def window_bucket(keys: int, capacity: int) -> int:
 
 def exact_window(keys: int, capacity: int) -> int:
     """The number of keys a compiled decode step on the CPU reads when its rows need `keys`: the chunks they
-    need, at least two (a compiler treats a size of 1 as a constant). Without CUDA graphs to replay, one
+    need, at least two (a compiler treats a size of 1 as a constant) or else the whole `capacity` where that
+    is smaller. Without CUDA graphs to replay, one
     graph with the window as its dynamic size serves every window, so none is padded to a power of two."""
     return max(chunk_end(keys - 1, capacity), min(2 * CHUNK, capacity))
 

@@ -304,12 +304,12 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     # come first, so that one batched product per query serves all its blocks, and the keys and values are
     # read as they are rather than copied once per query.
     grouped = q.float().view(G, T, H_kv, group, D).transpose(0, 1)[:, :, :, None]  # (T, G, H_kv, 1, group, D)
-    grouped = grouped.expand(*products, group, D).contiguous().view(T, -1, group, D)
-    k = keys.float().reshape(-1, KEY_BLOCK, D).transpose(1, 2)  # (G * H_kv * blocks, D, KEY_BLOCK)
-    v = values.float().reshape(-1, KEY_BLOCK, D)
+    grouped = grouped.expand(*products, group, D).contiguous().view(T, -1, group, D)  # (T, G*H_kv*blocks, group, D)
+    k = keys.float().reshape(-1, KEY_BLOCK, D).transpose(1, 2)  # (G*H_kv*blocks, D, KEY_BLOCK)
+    v = values.float().reshape(-1, KEY_BLOCK, D)  # (G*H_kv*blocks, KEY_BLOCK, D)
     row_positions = positions.t().reshape(T, G, 1, 1, 1, 1)
     key_positions = torch.arange(W, device=q.device).view(blocks, 1, KEY_BLOCK)
-    scores = stack_queries([torch.bmm(query, k) for query in grouped]).mul_(D**-0.5)
+    scores = stack_queries([torch.bmm(query, k) for query in grouped]).mul_(D**-0.5)  # (T, G*H_kv*blocks, group, KB)
     scores = scores.view(*products, group, KEY_BLOCK)
     scores = scores.masked_fill_(key_positions > row_positions, float("-inf"))  # also hides unwritten memory
     block_max = scores.amax(dim=-1, keepdim=True)  # (..., group, 1)

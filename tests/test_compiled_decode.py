@@ -122,6 +122,12 @@ def test_the_compiled_step_is_one_graph_per_batch_bucket_and_drafts_what_eager_d
     assert not counters["recompiles"] and not counters["graph_break"]
 
 
+def test_a_compiled_step_on_the_cpu_pads_the_batch_to_its_bucket_and_reads_the_chunks_it_needs(compiled):
+    capacity = compiled.cache.capacity
+    assert compiled.decoder.shapes([[1] * 130, [1] * 7], [16, 16]) == (2, planning.exact_window(145, capacity))
+    assert compiled.decoder.shapes([[1] * 3] * 3, [4] * 3) == (4, 2 * planning.CHUNK)
+
+
 def test_compiled_follow_ups_from_the_cache_draft_what_a_cold_call_drafts(package, compiled):
     rows = rows_spread_over_the_context(compiled.cache.capacity, 5, seed=2)
     for turn in range(3):

@@ -89,20 +89,26 @@ def test_the_default_path_is_packed_bf16(package):
     assert drafter.weights == "packed" and drafter.dtype.is_floating_point and str(drafter.dtype) == "torch.bfloat16"
 
 
-@pytest.mark.parametrize("queries, window", [(1, 64), (4, 320), (63, 576)])
-def test_block_attention_gives_each_query_its_own_bits_and_softmax_attention(queries, window):
-    """A prefill's last chunk (many queries of one row) and decode steps (one query each) share the cache,
-    so each query's result must not depend on the queries beside it; and it is causal softmax attention."""
-    generator = torch.Generator().manual_seed(queries)
-    q = torch.randn(1, queries, 9, 64, generator=generator).bfloat16()  # 9 heads sharing 3 kv heads
-    keys, values = (torch.randn(1, 3, window, 64, generator=generator).bfloat16() for _ in range(2))
-    positions = torch.arange(window - queries, window)[None]  # the last `queries` positions of the window
+@pytest.mark.parametrize("rows, queries, window", [(1, 1, 64), (3, 1, 320), (1, 4, 320), (2, 3, 320), (1, 63, 576)])
+def test_block_attention_gives_each_query_its_own_bits_and_softmax_attention(rows, queries, window):
+    """A prefill's last chunk (many queries of one row) and decode steps (one query of each of many rows) share
+    the cache, so a query's result must not depend on the queries or rows beside it, nor on keys past its
+    own chunk (whole blocks of them fully masked); and it is causal softmax attention."""
+    generator = torch.Generator().manual_seed(rows * 100 + queries)
+    q = torch.randn(rows, queries, 9, 64, generator=generator).bfloat16()  # 9 heads sharing 3 kv heads
+    keys, values = (torch.randn(rows, 3, window, 64, generator=generator).bfloat16() for _ in range(2))
+    starts = torch.randint(0, window - queries + 1, (rows, 1), generator=generator)
+    starts[0] = min(5, window - queries)  # one row early in its window: the blocks after its own are all masked
+    positions = starts + torch.arange(queries)  # (rows, queries): consecutive, as a prefill feeds them
     together = block_attention(q, keys, values, positions)
-    for t in range(queries):
-        alone = block_attention(q[:, t : t + 1], keys, values, positions[:, t : t + 1])
-        assert torch.equal(together[:, t : t + 1], alone)
-    mask = torch.arange(window)[None] <= positions[0, :, None]  # (queries, window)
-    reference = torch.nn.functional.scaled_dot_product_attention(
-        q[0].transpose(0, 1).float(), keys[0].float(), values[0].float(), attn_mask=mask, enable_gqa=True
-    )
-    torch.testing.assert_close(together[0].float(), reference.transpose(0, 1), atol=1e-2, rtol=1e-2)
+    for g in range(rows):
+        for t in range(queries):
+            alone = block_attention(
+                q[g : g + 1, t : t + 1], keys[g : g + 1], values[g : g + 1], positions[g : g + 1, t : t + 1]
+            )
+            assert torch.equal(together[g : g + 1, t : t + 1], alone), f"row {g}, query {t}"
+        mask = torch.arange(window)[None] <= positions[g, :, None]  # (queries, window)
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q[g].transpose(0, 1).float(), keys[g].float(), values[g].float(), attn_mask=mask, enable_gqa=True
+        )
+        torch.testing.assert_close(together[g].float(), reference.transpose(0, 1), atol=1e-2, rtol=1e-2)
