@@ -120,7 +120,7 @@ class ServerSettings:
     compile: str = setting(
         "decode with a step compiled once per batch bucket (torch.compile; replayed as a CUDA graph on cuda), "
         "built at start-up; auto: on for cuda, off for cpu (there the first start spends minutes compiling, for "
-        "decode steps about 2x faster at batch 1)",
+        "decode steps about 1.5x faster at batch 1)",
         "auto",
         choices=("auto", "on", "off"),
     )

@@ -168,6 +168,18 @@ def test_training_raises_train_agreement_and_keeps_the_best_checkpoint(data, tmp
     assert last["history"][-1]["holdout_tau"] > last["history"][0]["holdout_tau"]  # it learns what it is taught
 
 
+def test_first_shard_trains_on_the_later_shards_and_keeps_every_holdout(data, tmp_path):
+    from evidence.train import train_drafter
+
+    flags = ["--base", str(data["base"]), "--data", str(data["data"]), "--k", "4", "--batch-size", "6"]
+    report = train_drafter.main([*flags, "--out", str(tmp_path / "s"), "--max-steps", "1", "--first-shard", "1"])
+    assert report["train_examples"] == len(load_examples(data["data"], "train", first_shard=1))
+    assert report["train_examples"] < len(load_examples(data["data"], "train"))
+    assert report["holdout_examples"] == len(load_examples(data["data"], "holdout"))
+    with pytest.raises(common.UserError, match="--first-shard must be 0 or more, got -1"):
+        train_drafter.main([*flags, "--out", str(tmp_path / "t"), "--first-shard", "-1"])
+
+
 def test_same_script_runs_as_ddp_under_torchrun(data, tmp_path):
     """Two CPU processes (gloo): both ranks train, rank 0 saves; DDP keeps the replicas equal."""
     out = tmp_path / "ddp"

@@ -197,12 +197,20 @@ def read_shard_settings(path: Path) -> dict:
         return json.loads(shard.metadata()["settings"])
 
 
-def load_examples(data_dir: Path, split: str = "all") -> list[dict]:
-    """Every example of the shards in `data_dir` of `split` ('train', 'holdout' or 'all'), as dicts with
-    id, prompt_ids [P], tokens [n], topk_ids [n, K], topk_logprobs [n, K], holdout."""
+def shard_number(path: Path) -> int:
+    return int(path.stem.removeprefix("shard-"))
+
+
+def load_examples(data_dir: Path, split: str = "all", first_shard: int = 0) -> list[dict]:
+    """Every example of split ('train', 'holdout' or 'all') in the shards of `data_dir` numbered
+    `first_shard` or above, as dicts with id, prompt_ids [P], tokens [n], topk_ids [n, K],
+    topk_logprobs [n, K], holdout."""
     paths = sorted(Path(data_dir).glob(SHARD_PATTERN))
     if not paths:
         raise common.UserError(f"{data_dir} holds no {SHARD_PATTERN} files; run gen_data.py first")
+    paths = [path for path in paths if shard_number(path) >= first_shard]
+    if not paths:
+        raise common.UserError(f"{data_dir} holds no shard numbered {first_shard} or above; lower --first-shard")
     examples = []
     for path in paths:
         with safe_open(str(path), framework="pt") as shard:

@@ -103,6 +103,9 @@ class TrainSettings:
     # micro-batches whose examples are drawn together and sorted by length before they are cut, so a batch
     # pads to its own length instead of the epoch's longest (1: plain shuffled chunks)
     length_groups: int = 1
+    # train on the shards numbered this or above (the labels that arrived since an earlier run trained on
+    # the ones below); the holdout stays every shard's, so holdout tau compares across runs
+    first_shard: int = 0
     bf16: bool = True  # autocast on CUDA, and on a CPU with bf16 hardware
 
 
@@ -360,6 +363,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     for name in ("k", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "length_groups"):
         if getattr(settings, name) < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
+    if settings.first_shard < 0:
+        raise common.UserError(f"--first-shard must be 0 or more, got {settings.first_shard}")
     if settings.lr <= 0 or settings.epochs <= 0:
         raise common.UserError(f"--lr and --epochs must be positive, got {settings.lr} and {settings.epochs}")
     return settings
@@ -393,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("command: python -m evidence.train.train_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
     base, revision = common.resolve_model(args.base, args.base_revision)
     torch.manual_seed(settings.seed)
-    train_examples = load_examples(args.data, "train")
+    train_examples = load_examples(args.data, "train", first_shard=settings.first_shard)
     holdout_examples = load_examples(args.data, "holdout")
     device = (
         f"cuda:{distributed.local_rank}"
