@@ -83,14 +83,21 @@ def test_shards_hold_greedy_continuations_with_top_k(setup, tmp_path):
     )
 
 
-def test_first_shard_loads_the_shards_from_that_number_on(setup, tmp_path):
-    gen_data.main(argv(setup, tmp_path / "data"))  # 5 shards of 8 prompts, in file order
-    later = gen_data.load_examples(tmp_path / "data", "all", first_shard=3)
+def test_a_shard_range_loads_those_shards_only(setup, tmp_path):
+    out = tmp_path / "data"
+    gen_data.main(argv(setup, out))  # 5 shards of 8 prompts, in file order
+    later = gen_data.load_examples(out, "all", first_shard=3)
     assert [e["id"] for e in later] == [f"p{i}" for i in range(24, 40)]
-    holdout = gen_data.load_examples(tmp_path / "data", "holdout", first_shard=3)
-    assert [e["id"] for e in holdout] == [e["id"] for e in later if e["holdout"]]
-    with pytest.raises(common.UserError, match="holds no shard numbered 5 or above; lower --first-shard"):
-        gen_data.load_examples(tmp_path / "data", "all", first_shard=5)
+    holdout = gen_data.load_examples(out, "holdout", first_shard=3)
+    assert holdout and [e["id"] for e in holdout] == [e["id"] for e in later if e["holdout"]]
+    middle = gen_data.load_examples(out, "all", first_shard=1, last_shard=2)
+    assert [e["id"] for e in middle] == [f"p{i}" for i in range(8, 24)]
+    assert [e["id"] for e in gen_data.load_examples(out, "all", last_shard=0)] == [f"p{i}" for i in range(8)]
+    with pytest.raises(common.UserError, match="holds no shard numbered 5 to the end; check --first-shard"):
+        gen_data.load_examples(out, "all", first_shard=5)
+    (out / "shard-00001.old.safetensors").write_bytes(b"")
+    with pytest.raises(common.UserError, match="shard-00001.old.safetensors is not named shard-NNNNN.safetensors"):
+        gen_data.load_examples(out, "all", first_shard=1)
 
 
 def test_rerun_skips_finished_shards_and_is_deterministic(setup, tmp_path):

@@ -168,16 +168,20 @@ def test_training_raises_train_agreement_and_keeps_the_best_checkpoint(data, tmp
     assert last["history"][-1]["holdout_tau"] > last["history"][0]["holdout_tau"]  # it learns what it is taught
 
 
-def test_first_shard_trains_on_the_later_shards_and_keeps_every_holdout(data, tmp_path):
+def test_a_shard_range_trains_on_those_shards_and_keeps_every_holdout_through_its_end(data, tmp_path):
     from evidence.train import train_drafter
 
     flags = ["--base", str(data["base"]), "--data", str(data["data"]), "--k", "4", "--batch-size", "6"]
     report = train_drafter.main([*flags, "--out", str(tmp_path / "s"), "--max-steps", "1", "--first-shard", "1"])
-    assert report["train_examples"] == len(load_examples(data["data"], "train", first_shard=1))
-    assert report["train_examples"] < len(load_examples(data["data"], "train"))
+    everything = load_examples(data["data"], "train")
+    shard_0 = load_examples(data["data"], "train", last_shard=0)
+    assert 0 < report["train_examples"] == len(everything) - len(shard_0)
     assert report["holdout_examples"] == len(load_examples(data["data"], "holdout"))
-    with pytest.raises(common.UserError, match="--first-shard must be 0 or more, got -1"):
-        train_drafter.main([*flags, "--out", str(tmp_path / "t"), "--first-shard", "-1"])
+    report = train_drafter.main([*flags, "--out", str(tmp_path / "t"), "--max-steps", "1", "--last-shard", "0"])
+    assert report["holdout_examples"] == len(load_examples(data["data"], "holdout", last_shard=0))
+    assert report["train_examples"] == len(shard_0)
+    with pytest.raises(common.UserError, match="--first-shard must be 0 or more and --last-shard at least"):
+        train_drafter.main([*flags, "--out", str(tmp_path / "u"), "--first-shard", "1", "--last-shard", "0"])
 
 
 def test_same_script_runs_as_ddp_under_torchrun(data, tmp_path):

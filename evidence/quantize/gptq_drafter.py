@@ -427,6 +427,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="how the table is rounded: GPTQ on the lm_head's inputs, or round-to-nearest",
     )
     parser.add_argument("--damp-percent", type=float, default=0.01)
+    parser.add_argument(
+        "--last-shard", type=int, default=None, help="read the shards through this number (default: all)"
+    )
     parser.add_argument("--calib-samples", type=int, default=256)
     parser.add_argument("--calib-max-tokens", type=int, default=2048)
     parser.add_argument(
@@ -463,7 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).to(device).eval()
     if args.embedding_group_size:
         check_embedding_group_size(model, args.embedding_group_size, logger)
-    train_examples, holdout = load_examples(args.data, "train"), load_examples(args.data, "holdout")
+    train_examples = load_examples(args.data, "train", last_shard=args.last_shard)
+    holdout = load_examples(args.data, "holdout", last_shard=args.last_shard)
     student_argmax = teacher_forced_argmax(model, holdout)
     sequences = calibration_sequences(train_examples, args.calib_samples, args.calib_max_tokens)
     quantized = quantize_model(model, sequences, settings, logger)

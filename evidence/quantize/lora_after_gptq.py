@@ -31,8 +31,7 @@ from evidence import common
 from evidence.inventory import PROJECTIONS
 from evidence.measure.tau import offline_tau
 from evidence.packages import dequantized_model
-from evidence.teacher.gen_data import load_examples
-from evidence.train.train_drafter import TrainSettings, add_train_arguments, settings_from_args, train
+from evidence.train.train_drafter import TrainSettings, add_train_arguments, load_split, settings_from_args, train
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> torch.nn.Module:
@@ -103,8 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     torch.manual_seed(settings.seed)
     device = common.pick_device(args.device)
-    train_examples = load_examples(args.data, "train", first_shard=settings.first_shard)
-    holdout = load_examples(args.data, "holdout")
+    train_examples, holdout = load_split(args.data, settings)
     model = dequantized_model(args.package, device=device, with_lora=False).requires_grad_(False)
     peft_model = add_lora(model, args.rank, args.alpha, args.dropout, args.target_modules)
     result = train(peft_model, train_examples, holdout, settings, logger)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -198,19 +199,30 @@ def read_shard_settings(path: Path) -> dict:
 
 
 def shard_number(path: Path) -> int:
-    return int(path.stem.removeprefix("shard-"))
+    """N of a shard-NNNNN.safetensors name."""
+    match = re.fullmatch(r"shard-(\d+)", path.stem)
+    if match is None:
+        raise common.UserError(f"{path} is not named shard-NNNNN.safetensors; move it out of the labels directory")
+    return int(match.group(1))
 
 
-def load_examples(data_dir: Path, split: str = "all", first_shard: int = 0) -> list[dict]:
+def load_examples(
+    data_dir: Path, split: str = "all", first_shard: int = 0, last_shard: int | None = None
+) -> list[dict]:
     """Every example of split ('train', 'holdout' or 'all') in the shards of `data_dir` numbered
-    `first_shard` or above, as dicts with id, prompt_ids [P], tokens [n], topk_ids [n, K],
-    topk_logprobs [n, K], holdout."""
+    `first_shard` through `last_shard` (None: the last there is), as dicts with id, prompt_ids [P],
+    tokens [n], topk_ids [n, K], topk_logprobs [n, K], holdout."""
     paths = sorted(Path(data_dir).glob(SHARD_PATTERN))
     if not paths:
         raise common.UserError(f"{data_dir} holds no {SHARD_PATTERN} files; run gen_data.py first")
-    paths = [path for path in paths if shard_number(path) >= first_shard]
+    if first_shard > 0 or last_shard is not None:
+        last = float("inf") if last_shard is None else last_shard
+        paths = [path for path in paths if first_shard <= shard_number(path) <= last]
     if not paths:
-        raise common.UserError(f"{data_dir} holds no shard numbered {first_shard} or above; lower --first-shard")
+        raise common.UserError(
+            f"{data_dir} holds no shard numbered {first_shard} to {'the end' if last_shard is None else last_shard}; "
+            "check --first-shard and --last-shard"
+        )
     examples = []
     for path in paths:
         with safe_open(str(path), framework="pt") as shard:

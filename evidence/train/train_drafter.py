@@ -103,9 +103,11 @@ class TrainSettings:
     # micro-batches whose examples are drawn together and sorted by length before they are cut, so a batch
     # pads to its own length instead of the epoch's longest (1: plain shuffled chunks)
     length_groups: int = 1
-    # train on the shards numbered this or above (the labels that arrived since an earlier run trained on
-    # the ones below); the holdout stays every shard's, so holdout tau compares across runs
+    # train on the shards numbered first_shard..last_shard (None: the last there is): a run from an earlier
+    # package takes the labels that arrived since, and a config names its range so a rerun reads the same
+    # shards when more are committed. The holdout is every shard's through last_shard, not only the range's.
     first_shard: int = 0
+    last_shard: int | None = None
     bf16: bool = True  # autocast on CUDA, and on a CPU with bf16 hardware
 
 
@@ -354,7 +356,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainSettings
         if isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
         else:
-            kind = int if name == "max_steps" else type(value)
+            kind = int if name in ("max_steps", "last_shard") else type(value)
             parser.add_argument(flag, type=kind, default=value)
 
 
@@ -363,11 +365,20 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     for name in ("k", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "length_groups"):
         if getattr(settings, name) < 1:
             raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
-    if settings.first_shard < 0:
-        raise common.UserError(f"--first-shard must be 0 or more, got {settings.first_shard}")
+    if settings.first_shard < 0 or (settings.last_shard is not None and settings.last_shard < settings.first_shard):
+        raise common.UserError(
+            f"--first-shard must be 0 or more and --last-shard at least --first-shard, got {settings.first_shard} "
+            f"and {settings.last_shard}"
+        )
     if settings.lr <= 0 or settings.epochs <= 0:
         raise common.UserError(f"--lr and --epochs must be positive, got {settings.lr} and {settings.epochs}")
     return settings
+
+
+def load_split(data: Path, settings: TrainSettings) -> tuple[list[dict], list[dict]]:
+    """The train examples of the settings' shard range and the holdout of every shard through its end."""
+    train_examples = load_examples(data, "train", settings.first_shard, settings.last_shard)
+    return train_examples, load_examples(data, "holdout", last_shard=settings.last_shard)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -398,8 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("command: python -m evidence.train.train_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
     base, revision = common.resolve_model(args.base, args.base_revision)
     torch.manual_seed(settings.seed)
-    train_examples = load_examples(args.data, "train", first_shard=settings.first_shard)
-    holdout_examples = load_examples(args.data, "holdout")
+    train_examples, holdout_examples = load_split(args.data, settings)
     device = (
         f"cuda:{distributed.local_rank}"
         if torch.cuda.is_available() and not args.device
