@@ -215,9 +215,8 @@ def load_examples(
     paths = sorted(Path(data_dir).glob(SHARD_PATTERN))
     if not paths:
         raise common.UserError(f"{data_dir} holds no {SHARD_PATTERN} files; run gen_data.py first")
-    if first_shard > 0 or last_shard is not None:
-        last = float("inf") if last_shard is None else last_shard
-        paths = [path for path in paths if first_shard <= shard_number(path) <= last]
+    last = float("inf") if last_shard is None else last_shard
+    paths = [path for path in paths if first_shard <= shard_number(path) <= last]
     if not paths:
         raise common.UserError(
             f"{data_dir} holds no shard numbered {first_shard} to {'the end' if last_shard is None else last_shard}; "
