@@ -293,3 +293,10 @@ def test_make_random_package_is_reproducible(tmp_path: Path):
         first, second = load_file(tmp_path / "a" / name), load_file(tmp_path / "b" / name)
         assert first.keys() == second.keys() and all(first[key].equal(second[key]) for key in first), name
     assert draft_model.load_model(tmp_path / "a", cache_slots=2).model.embed_tokens is None
+
+
+def test_make_random_package_refuses_a_vocabulary_without_the_qwen3_ids(tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as refusal:
+        make_random_package.main(["--output", str(tmp_path / "package"), "--vocab-size", "49152"])
+    assert refusal.value.code == 2 and "use at least 151646" in capsys.readouterr().err
+    assert not (tmp_path / "package").exists()

@@ -249,6 +249,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--embedding-group-size {args.embedding_group_size} must divide --hidden-size {args.hidden_size} and be a multiple of 8"
         )
+    if args.vocab_size <= QWEN3_EOS:
+        parser.error(
+            f"--vocab-size {args.vocab_size} is too small for the Qwen3 token ids the package declares "
+            f"(bos {QWEN3_BOS}, eos {QWEN3_EOS}); use at least {QWEN3_EOS + 1}"
+        )
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.output.exists() and not args.force:
