@@ -315,13 +315,13 @@ def test_max_context_must_fit_the_model(qwen3):
 
 
 # Drafts of the shipped model/ on the exact path (dense fp32), recorded when model/ was last replaced (the
-# ShareGPT-trained package): refactoring the drafter must not change what model/ drafts.
+# 12-layer ShareGPT-trained package): refactoring the drafter must not change what model/ drafts.
 PINNED_MODEL_DRAFTS = [
-    [30, 378, 768, 282, 260, 768, 282, 260],
-    [2320, 30, 1216, 2320, 1453, 2320, 28, 2320],
-    [30, 2015, 282, 623, 8806, 28, 1285, 253],
-    [288, 1538, 253, 3599, 1845, 282, 1461, 2320],
-    [30, 378, 10132, 10132, 10132, 10132, 10132, 10132],
+    [30, 378, 1027, 30, 378, 1027, 30, 378],
+    [975, 260, 1439, 282, 260, 1439, 282, 260],
+    [30, 378, 1909, 282, 260, 1909, 282, 260],
+    [30, 198, 198, 504, 99, 597, 597, 597],
+    [30, 198, 198, 504, 1909, 282, 260, 1909],
 ]
 
 
