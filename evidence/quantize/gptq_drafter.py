@@ -45,7 +45,7 @@ import int4
 import package_manifest
 from evidence import common
 from evidence.measure.tau import argmax_agreement, tau_from_matches, teacher_forced_argmax
-from evidence.teacher.gen_data import load_examples
+from evidence.teacher.gen_data import load_split
 
 # Sub-layers quantized in this order; each group's Hessians see the earlier groups already quantized.
 SEQUENTIAL_GROUPS = (
@@ -466,8 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).to(device).eval()
     if args.embedding_group_size:
         check_embedding_group_size(model, args.embedding_group_size, logger)
-    train_examples = load_examples(args.data, "train", last_shard=args.last_shard)
-    holdout = load_examples(args.data, "holdout", last_shard=args.last_shard)
+    train_examples, holdout = load_split(args.data, last_shard=args.last_shard)
     student_argmax = teacher_forced_argmax(model, holdout)
     sequences = calibration_sequences(train_examples, args.calib_samples, args.calib_max_tokens)
     quantized = quantize_model(model, sequences, settings, logger)

@@ -31,7 +31,8 @@ from evidence import common
 from evidence.inventory import PROJECTIONS
 from evidence.measure.tau import offline_tau
 from evidence.packages import dequantized_model
-from evidence.train.train_drafter import TrainSettings, add_train_arguments, load_split, settings_from_args, train
+from evidence.teacher.gen_data import load_split
+from evidence.train.train_drafter import TrainSettings, add_train_arguments, settings_from_args, train
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> torch.nn.Module:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     torch.manual_seed(settings.seed)
     device = common.pick_device(args.device)
-    train_examples, holdout = load_split(args.data, settings)
+    train_examples, holdout = load_split(args.data, settings.first_shard, settings.last_shard)
     model = dequantized_model(args.package, device=device, with_lora=False).requires_grad_(False)
     peft_model = add_lora(model, args.rank, args.alpha, args.dropout, args.target_modules)
     result = train(peft_model, train_examples, holdout, settings, logger)

@@ -258,6 +258,13 @@ def load_examples(
     return chosen
 
 
+def load_split(data_dir: Path, first_shard: int = 0, last_shard: int | None = None) -> tuple[list[dict], list[dict]]:
+    """(train, holdout): the train examples of shards first_shard..last_shard, and the holdout of every
+    shard through last_shard, so holdout tau compares across runs that trained on different ranges."""
+    train = load_examples(data_dir, "train", first_shard, last_shard)
+    return train, load_examples(data_dir, "holdout", last_shard=last_shard)
+
+
 def collate(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """A right-padded batch of prompt + continuation, with the flat indices of the positions that predict
     each continuation token (position p predicts token p + 1) and their targets."""

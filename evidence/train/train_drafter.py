@@ -53,7 +53,7 @@ from transformers import AutoModelForCausalLM
 import int4
 from evidence import common
 from evidence.measure.tau import continuation_logits, offline_tau
-from evidence.teacher.gen_data import collate, load_examples
+from evidence.teacher.gen_data import collate, load_split
 
 
 def distillation_loss(
@@ -375,12 +375,6 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     return settings
 
 
-def load_split(data: Path, settings: TrainSettings) -> tuple[list[dict], list[dict]]:
-    """The train examples of the settings' shard range and the holdout of every shard through its end."""
-    train_examples = load_examples(data, "train", settings.first_shard, settings.last_shard)
-    return train_examples, load_examples(data, "holdout", last_shard=settings.last_shard)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="base model: local directory or hub id")
@@ -409,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("command: python -m evidence.train.train_drafter %s", " ".join(sys.argv[1:] if argv is None else argv))
     base, revision = common.resolve_model(args.base, args.base_revision)
     torch.manual_seed(settings.seed)
-    train_examples, holdout_examples = load_split(args.data, settings)
+    train_examples, holdout_examples = load_split(args.data, settings.first_shard, settings.last_shard)
     device = (
         f"cuda:{distributed.local_rank}"
         if torch.cuda.is_available() and not args.device
