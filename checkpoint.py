@@ -26,6 +26,7 @@ from int4 import (
     cuda_unsupported,
     gptq_dequantize,
     kernel_layout_is_known,
+    packed_cpu_kernel,
     rtn_quantize,
 )
 from package_manifest import ManifestMismatch, verify_manifest
@@ -546,6 +547,7 @@ def load_weights(
     weights: str,
     quantize_lm_head: bool,
     verify_integrity: bool = True,
+    int4_kernel: str = "auto",
 ) -> LoadedWeights:
     """Read, check and build the model of a package or Hugging Face checkpoint (draft_model.load_model
     documents the options); q/k/v and gate/up end fused. A package's files are first checked against
@@ -561,6 +563,10 @@ def load_weights(
     cfg, quant, files = layout.cfg, layout.quant, layout.weight_files
 
     device, dtype, packed = resolve_runtime(device, dtype, weights, quant)
+    try:
+        cpu_kernel = packed_cpu_kernel(int4_kernel) if packed and device.type == "cpu" else None
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
     tensors, origin = _read_safetensors(files)
     _check_tensors(tensors, origin, _expected_tensors(cfg, quant), str(model_dir))
     state, int4_layers, dense_reasons = _load_state(tensors, cfg, quant, dtype, packed, device)
@@ -594,4 +600,6 @@ def load_weights(
     model = model.to(device).eval().requires_grad_(False)
     if packed and device.type == "cuda":
         model.use_cuda_int4_kernels()
+    if cpu_kernel:
+        model.use_cpu_int4_kernel(cpu_kernel)
     return LoadedWeights(model, cfg, quant, lora, model_card)

@@ -52,12 +52,14 @@ def load_model(
     verify_integrity: bool = True,
     compiled: bool = False,
     batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+    int4_kernel: str = "auto",
 ) -> "Drafter":
     """Load a model package or a Hugging Face checkpoint directory, strictly (docs/package-format.md).
 
     device: cuda when available, else cpu. weights: "packed" keeps GPTQ linears at 4 bits and
-    multiplies with PyTorch's CPU INT4 kernel (bf16); "dequant" expands them to dense weights;
-    "auto" packs whenever the kernel can run. dtype: bf16 when packed or on cuda, else fp32.
+    multiplies with an INT4 kernel (bf16); "dequant" expands them to dense weights; "auto" packs whenever a
+    kernel can run. int4_kernel: the packed CPU kernel (int4.PACKED_CPU_KERNELS); auto: int4.packed_cpu_kernel.
+    dtype: bf16 when packed or on cuda, else fp32.
     cache_slots: prefix-cache slots (a call uses planning.SLOTS_PER_ROW per row). max_context: tokens per
     slot, default the model's max_position_embeddings capped at planning.DEFAULT_MAX_CONTEXT. LoRA is merged into dense weights by default
     and always kept as side matmuls beside packed ones (use_lora=False ignores the adapter).
@@ -81,6 +83,7 @@ def load_model(
         weights=weights,
         quantize_lm_head=quantize_lm_head,
         verify_integrity=verify_integrity,
+        int4_kernel=int4_kernel,
     )
     cfg = loaded.cfg
     context = default_context(cfg.max_position_embeddings) if max_context is None else max_context
@@ -180,9 +183,11 @@ class Drafter:
         if self.device.type != "cpu":
             name = "cuda-int4" if self.weights == "packed" else f"dense-{dtype}"
             return {"name": name, "what": f"on {self.device.type}"}
-        name = "int4pack" if self.weights == "packed" else f"dense-{dtype}"
-        known = int4.CPU_KERNELS.get(name)
-        return {"name": name, "what": known.what if known else "dense weights", "cpu": int4.cpu_description()}
+        packed = {m.cpu_kernel for m in self.model.modules() if isinstance(m, Int4Linear)}
+        # The chosen kernel first; int4pack after it for layers too narrow for it.
+        kernels = [k for k in reversed(int4.PACKED_CPU_KERNELS) if k in packed] or [f"dense-{dtype}"]
+        what = "; ".join(int4.CPU_KERNELS[k].what if k in int4.CPU_KERNELS else "dense weights" for k in kernels)
+        return {"name": "+".join(kernels), "what": what, "cpu": int4.cpu_description()}
 
     def describe(self) -> dict:
         """JSON-ready identity and limits (the server's /health)."""

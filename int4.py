@@ -13,11 +13,15 @@ group), `quantize` (values onto a grid) and `dequantize` (integers back to weigh
 """
 
 import functools
+import logging
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 NIBBLES_PER_INT32 = 8
 MAX_Q = 15  # 4-bit integers are 0..15
@@ -189,6 +193,14 @@ CPU_KERNELS = {
         "PyTorch's INT4 matrix-vector kernel for decode rows (4-bit weights read once per few rows); a prefill's "
         "complete chunks multiply the layer unpacked per call (bf16 where the CPU has bf16 hardware, else fp32)",
     ),
+    "int4-bf16dot": CpuKernel(
+        "packed",
+        torch.bfloat16,
+        ("avx512_bf16",),
+        "this project's INT4 kernel (int4_bf16dot.cpp, built at first use): 4-bit weights unpacked once per call "
+        "for all its rows and multiplied with AVX512-BF16 dot products, so a batch's rows cost little more than one; "
+        "a prefill's complete chunks as int4pack",
+    ),
     "dense-bf16": CpuKernel(
         "dequant",
         torch.bfloat16,
@@ -200,14 +212,51 @@ CPU_KERNELS = {
         "dequant", torch.float32, (), "weights dequantized once at load to fp32 (LoRA merged, 6x the memory): exact"
     ),
 }
+PACKED_CPU_KERNELS = tuple(name for name, kernel in CPU_KERNELS.items() if kernel.weights == "packed")
+BF16DOT_SOURCE = Path(__file__).with_name("int4_bf16dot.cpp")
+# Compiled for these instruction sets whatever the build machine has; it runs only where cpu_flags() has them.
+BF16DOT_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+
+
+@functools.cache
+def bf16dot_build_problem() -> str | None:
+    """Build and load the int4-bf16dot kernel (torch.utils.cpp_extension: a C++ compiler and ninja; the first
+    build takes about a minute, later processes reuse torch's extension cache). Why it cannot, or None."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            "draft_server_int4_bf16dot", [str(BF16DOT_SOURCE)], extra_cflags=BF16DOT_CFLAGS, is_python_module=False
+        )
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
+        problem = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        log.warning("the int4-bf16dot kernel could not be built, int4pack serves instead: %s", problem)
+        return problem
+    torch.library.register_fake("draft_server::int4_bf16dot_mm")(_bf16dot_shape)
+    return None
+
+
+def _bf16dot_shape(x, packed, scales_and_offsets, group_size):
+    """int4_bf16dot_mm's output, for torch.compile's tracing: (M, N)."""
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def packed_cpu_kernel(name: str = "auto") -> str:
+    """The kernel packed INT4 layers multiply with on this CPU: `name` where it names a packed kernel (checked
+    as choose_cpu_kernel does), else int4-bf16dot where the CPU has AVX512-BF16 and the kernel builds, else
+    int4pack."""
+    if name in PACKED_CPU_KERNELS:
+        return choose_cpu_kernel(name)
+    return "int4-bf16dot" if "avx512_bf16" in cpu_flags() and bf16dot_build_problem() is None else "int4pack"
 
 
 def choose_cpu_kernel(name: str) -> str:
     """The kernel `name` ("auto" or one of CPU_KERNELS) stands for on this CPU. auto: dense bf16 where AMX
-    multiplies bf16 tiles (there a dense matmul over many rows beats the INT4 kernel's matrix-vector
-    products), else int4pack. Raises ValueError, one line, for an unknown name or a kernel this CPU lacks."""
+    multiplies bf16 tiles (there a dense matmul over many rows beats any INT4 kernel's few-row products), else
+    the best packed kernel (packed_cpu_kernel). Raises ValueError, one line, for an unknown name, a kernel this
+    CPU lacks or one that cannot be built here."""
     if name == "auto":
-        return "dense-bf16" if "amx_bf16" in cpu_flags() else "int4pack"
+        return "dense-bf16" if "amx_bf16" in cpu_flags() else packed_cpu_kernel()
     if name not in CPU_KERNELS:
         raise ValueError(f"unknown INT4 kernel {name!r}; choose one of auto, {', '.join(CPU_KERNELS)}")
     needs = CPU_KERNELS[name].needs
@@ -216,6 +265,9 @@ def choose_cpu_kernel(name: str) -> str:
             f"the INT4 kernel {name} needs a CPU with {' or '.join(needs)}; this CPU has {cpu_description()}; "
             f"choose int4pack or dense-fp32"
         )
+    problem = bf16dot_build_problem() if name == "int4-bf16dot" else None
+    if problem:
+        raise ValueError(f"the INT4 kernel int4-bf16dot could not be built here ({problem}); choose int4pack")
     return name
 
 
@@ -303,6 +355,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.on_cuda_kernel = False
+        self.cpu_kernel = "int4pack"  # one of PACKED_CPU_KERNELS: see use_cpu_kernel
         self.dense_prefill = out_features % 64 == 0 and kernel_layout_is_known()
         self.register_buffer("packed_weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer(
@@ -340,6 +393,11 @@ class Int4Linear(nn.Module):
     def integers(self) -> torch.Tensor:
         """The layer's 4-bit values (N, K)."""
         return _unpack_kernel_layout(self.cpu_layout(), self.out_features, self.in_features).t()
+
+    def use_cpu_kernel(self, name: str) -> None:
+        """Multiply the kernel's rows with `name`, one of PACKED_CPU_KERNELS (int4-bf16dot reads the layout in
+        strips of 64 output rows: a layer of other widths keeps int4pack)."""
+        self.cpu_kernel = name if name == "int4pack" or self.out_features % 64 == 0 else "int4pack"
 
     def use_cuda_kernel(self) -> None:
         """Repack a layer that sits on a CUDA device for the CUDA kernel. Its tiled layout cannot be read
@@ -417,12 +475,16 @@ class Int4Linear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, in) -> (M, out) on the INT4 kernel. A large layer (an lm_head over the vocabulary) takes its
+        """x (M, in) -> (M, out) on the INT4 kernel. On int4pack a large layer (an lm_head over the vocabulary) takes its
         rows KERNEL_ROWS at a time: the CPU kernel streams the weight once per few rows, and beyond that the
         weight falls out of cache, so two calls of a few rows cost less than one of many (figures in
         evidence/RESULTS.md). The rows are independent either way."""
         if self.on_cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed_weight, self.group_size, self.scales_and_offsets)
+        if self.cpu_kernel == "int4-bf16dot":  # unpacks the weights once per call, whatever its rows
+            return torch.ops.draft_server.int4_bf16dot_mm(
+                x.contiguous(), self.packed_weight, self.scales_and_offsets, self.group_size
+            )
         multiply = functools.partial(
             torch.ops.aten._weight_int4pack_mm_for_cpu,
             mat2=self.packed_weight,

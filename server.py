@@ -293,6 +293,7 @@ def load_drafter(settings: ServerSettings) -> draft_model.Drafter:
             verify_integrity=not settings.skip_integrity_check,
             compiled=settings.compiled,
             batch_buckets=settings.batch_buckets,
+            int4_kernel=settings.int4_kernel,
         )
     except draft_model.ModelLoadError as error:
         raise ConfigError(f"cannot load the model from --model-dir {settings.model_dir}: {error}") from None

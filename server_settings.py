@@ -112,8 +112,11 @@ class ServerSettings:
     )
     int4_kernel: str = setting(
         "how GPTQ INT4 layers are multiplied on the CPU: int4pack (PyTorch's INT4 kernel; 4-bit weights), "
-        "dense-bf16 (dequantized once to bf16; needs AVX512-BF16 or AMX), dense-fp32 (dequantized once to fp32); "
-        "auto: dense-bf16 where the CPU has AMX, else int4pack. A forced kernel sets --weights and --dtype",
+        "int4-bf16dot (this project's INT4 kernel: weights unpacked once per call for all its rows; needs "
+        "AVX512-BF16 and a C++ compiler, built at the first start), dense-bf16 (dequantized once to bf16; needs "
+        "AVX512-BF16 or AMX), dense-fp32 (dequantized once to fp32); auto: dense-bf16 where the CPU has AMX, else "
+        "int4-bf16dot where it has AVX512-BF16 and the kernel builds, else int4pack. A forced kernel sets --weights "
+        "and --dtype",
         "auto",
         choices=("auto", *int4.CPU_KERNELS),
     )

@@ -402,6 +402,12 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed_tokens.weight
 
+    def use_cpu_int4_kernel(self, name: str) -> None:
+        """Multiply every Int4Linear's kernel rows with `name` (one of int4.PACKED_CPU_KERNELS)."""
+        for module in self.modules():
+            if isinstance(module, Int4Linear):
+                module.use_cpu_kernel(name)
+
     def use_cuda_int4_kernels(self) -> None:
         """Repack every Int4Linear (on a CUDA device) for the CUDA kernel. A tied INT4 table is first copied
         out as a dense embedding: the kernel's tiles cannot be read row by row."""

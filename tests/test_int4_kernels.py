@@ -18,15 +18,15 @@ import transformer
 GROUP = 32
 
 
-def random_int4_layer(in_features: int, out_features: int, seed: int) -> int4.Int4Linear:
+def random_int4_layer(in_features: int, out_features: int, seed: int, group: int = GROUP) -> int4.Int4Linear:
     """An Int4Linear from random GPTQ integers, scales and zeros (not a trained layer: the kernels do not care)."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out_features, in_features), generator=generator)
-    zeros = torch.randint(0, 16, (in_features // GROUP, out_features), generator=generator)
-    scales = torch.rand(in_features // GROUP, out_features, generator=generator) * 0.01 + 1e-3
-    g_idx = torch.arange(in_features) // GROUP
+    zeros = torch.randint(0, 16, (in_features // group, out_features), generator=generator)
+    scales = torch.rand(in_features // group, out_features, generator=generator) * 0.01 + 1e-3
+    g_idx = torch.arange(in_features) // group
     packed = int4.gptq_pack(q, zeros, scales, g_idx)
-    layer = int4.Int4Linear(in_features, out_features, GROUP, bias=False)
+    layer = int4.Int4Linear(in_features, out_features, group, bias=False)
     state = int4.Int4Linear.pack_gptq(packed["qweight"], packed["qzeros"], packed["scales"], g_idx, "gptq")
     layer.load_state_dict(state)
     return layer
@@ -42,6 +42,7 @@ def available(name: str) -> bool:
 def few_rows_product(name: str, layer: int4.Int4Linear):
     """The product a kernel gives a decode step's (few) rows of `layer`."""
     if int4.CPU_KERNELS[name].weights == "packed":
+        layer.use_cpu_kernel(name)
         return lambda x: layer(x.to(int4.INT4_KERNEL_DTYPE))
     dtype = int4.CPU_KERNELS[name].dtype
     weight = layer.dense_weight(dtype=torch.float32).to(dtype)  # dequantized once, as at load
@@ -90,11 +91,54 @@ def test_a_prefills_complete_chunks_are_computed_as_each_chunk_alone(with_lora):
     assert torch.equal(mixed[2 * chunk :], layer(x[2 * chunk :], 0))
 
 
-def test_auto_takes_dense_bf16_where_amx_multiplies_bf16_else_int4pack(monkeypatch):
+def test_int4_bf16dot_computes_the_dequantized_product():
+    """Fast against naive: the kernel's rows equal x @ W^T in fp32 with W dequantized, up to the bf16 rounding of
+    the result, on layers of every group size the kernel takes and on an lm_head's width; with one thread and
+    with two the bits are the same (threads split the columns, never the sum)."""
+    if not available("int4-bf16dot"):
+        pytest.skip(f"int4-bf16dot is not available: this CPU has {int4.cpu_description()}")
+    shapes = [(256, 512), (576, 960), (1536, 576), (512, 8192)]  # (in, out), one per group size
+    for group, (in_features, out_features) in zip(int4.INT4_KERNEL_GROUP_SIZES, shapes):
+        layer = random_int4_layer(in_features, out_features, seed=group, group=group)
+        layer.use_cpu_kernel("int4-bf16dot")
+        x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(group)).to(torch.bfloat16)
+        naive = x.float() @ layer.dense_weight(dtype=torch.float32).t()
+        fast = layer(x)
+        torch.testing.assert_close(fast.float(), naive, rtol=2**-7, atol=2**-7 * naive.abs().max().item())
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = layer(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone, fast), f"group {group}: one thread and {threads} differ"
+
+
+def test_auto_takes_dense_bf16_where_amx_multiplies_bf16_then_int4_bf16dot_then_int4pack(monkeypatch):
+    monkeypatch.setattr(int4, "bf16dot_build_problem", lambda: None)
     monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
     assert int4.choose_cpu_kernel("auto") == "dense-bf16"
+    assert int4.packed_cpu_kernel("auto") == "int4-bf16dot"  # what --weights packed runs there
     monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert int4.choose_cpu_kernel("auto") == "int4-bf16dot"
+    monkeypatch.setattr(int4, "bf16dot_build_problem", lambda: "no C++ compiler")
     assert int4.choose_cpu_kernel("auto") == "int4pack"
+    monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(int4, "bf16dot_build_problem", lambda: None)
+    assert int4.choose_cpu_kernel("auto") == "int4pack"
+
+
+def test_a_forced_int4_bf16dot_that_cannot_be_built_is_refused_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(int4, "bf16dot_build_problem", lambda: "Ninja is required to load C++ extensions")
+    with pytest.raises(server_settings.ConfigError) as refused:
+        server_settings.ServerSettings(model_dir="model", device="cpu", int4_kernel="int4-bf16dot")
+    message = str(refused.value)
+    assert "\n" not in message and "Ninja is required" in message and "choose int4pack" in message
+    with pytest.raises(draft_model.ModelLoadError, match="could not be built here"):
+        draft_model.load_model(
+            write_default_path_package(tmp_path / "package"), device="cpu", int4_kernel="int4-bf16dot"
+        )
 
 
 def test_a_forced_kernel_the_cpu_lacks_is_refused_in_one_line_naming_what_it_has(monkeypatch):
@@ -107,9 +151,9 @@ def test_a_forced_kernel_the_cpu_lacks_is_refused_in_one_line_naming_what_it_has
 
 
 def test_an_unknown_kernel_lists_the_valid_ones():
-    with pytest.raises(server_settings.ConfigError, match="auto, int4pack, dense-bf16, dense-fp32"):
+    with pytest.raises(server_settings.ConfigError, match="auto, int4pack, int4-bf16dot, dense-bf16, dense-fp32"):
         server_settings.ServerSettings(model_dir="model", device="cpu", int4_kernel="onednn")
-    with pytest.raises(ValueError, match="auto, int4pack, dense-bf16, dense-fp32"):
+    with pytest.raises(ValueError, match="auto, int4pack, int4-bf16dot, dense-bf16, dense-fp32"):
         int4.choose_cpu_kernel("onednn")
 
 
@@ -126,5 +170,5 @@ def test_auto_loads_the_kernel_auto_chooses(tmp_path):
     and describes it (the server's start-up line and /health carry describe())."""
     drafter = draft_model.load_model(write_default_path_package(tmp_path / "package"), device="cpu")
     described = drafter.describe()["kernel"]
-    assert described["name"] == int4.choose_cpu_kernel("auto")
+    assert described["name"].split("+")[0] == int4.choose_cpu_kernel("auto")  # + int4pack for narrow layers
     assert described["cpu"] == int4.cpu_description()

@@ -3,7 +3,9 @@
 For each model shape it writes a random GPTQ package with evidence/quantize/make_random_package.py (random
 weights time exactly like trained ones), loads it two or three ways, and times 16-token greedy drafts:
 
-  ours packed    draft_model, GPTQ linears kept at 4 bits on PyTorch's CPU INT4 kernel (bf16)
+  ours packed    draft_model, GPTQ linears kept at 4 bits on the packed kernel auto picks (bf16 activations:
+                 int4-bf16dot where the CPU has AVX512-BF16, else PyTorch's int4pack)
+  ours int4pack  the same on PyTorch's int4pack kernel whatever the CPU (the baseline of int4-bf16dot)
   ours packed+q-head   the same with the lm_head rounded to INT4 at load (quantize_lm_head); only for
                  packages whose tied table is bf16 (with --embedding-group-size the head already is INT4)
   ours dequant   draft_model, weights dequantized to fp32 (the exact path; the dense-fp32 kernel)
@@ -267,18 +269,21 @@ def print_profile(shape: str, path: str, batch: int, context: int, parts: dict) 
             print(f"    {key.removeprefix(phase + ': '):48s} {ms:9.1f} ms  {ms / total:6.1%}", flush=True)
 
 
+OUR_PATHS = {  # --ours: each path's load_model arguments
+    "packed": {},
+    "int4pack": {"int4_kernel": "int4pack"},
+    "packed+q-head": {"quantize_lm_head": True},
+    "dequant": {"weights": "dequant"},
+    "dense-bf16": {"weights": "dequant", "dtype": "bfloat16"},
+}
+
+
 def load_ours(package: Path, args: argparse.Namespace) -> tuple[dict, draft_model.Drafter]:
     """Our drafters on the paths asked for (--ours), and the dense fp32 one the transformers models copy."""
     max_context = max(args.contexts) + DRAFT_TOKENS + ACCEPTED + 1
     slots = SLOTS_PER_ROW * max(*args.batch_sizes, AGREEMENT_ROWS)
-    load = {
-        "packed": {},
-        "packed+q-head": {"quantize_lm_head": True},
-        "dequant": {"weights": "dequant"},
-        "dense-bf16": {"weights": "dequant", "dtype": "bfloat16"},
-    }
     ours = {
-        f"ours {path}": draft_model.load_model(package, cache_slots=slots, max_context=max_context, **load[path])
+        f"ours {path}": draft_model.load_model(package, cache_slots=slots, max_context=max_context, **OUR_PATHS[path])
         for path in args.ours
     }
     head = ours.get("ours packed+q-head")
@@ -359,7 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ours",
         default="packed,packed+q-head,dequant",
-        help="comma-separated paths of ours to time: packed (the int4pack kernel), packed+q-head (skipped where "
+        help="comma-separated paths of ours to time: packed (the packed kernel auto picks), int4pack (PyTorch's "
+        "INT4 kernel), packed+q-head (skipped where "
         "the head already is INT4), dequant (dense fp32: the dense-fp32 kernel), dense-bf16 (dense bf16 weights)",
     )
     parser.add_argument(
@@ -383,9 +389,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         parser.error("--batch-sizes and --contexts take comma-separated integers, e.g. 1,4,16")
     args.ours = [path for path in args.ours.split(",") if path]
-    paths = ("packed", "packed+q-head", "dequant", "dense-bf16")
-    if not args.ours or any(path not in paths for path in args.ours):
-        parser.error(f"--ours takes some of {', '.join(paths)}, got {','.join(args.ours) or 'nothing'}")
+    if not args.ours or any(path not in OUR_PATHS for path in args.ours):
+        parser.error(f"--ours takes some of {', '.join(OUR_PATHS)}, got {','.join(args.ours) or 'nothing'}")
     args.hf_dtypes = args.hf_dtypes.split(",")
     if any(d not in ("bfloat16", "float32") for d in args.hf_dtypes):
         parser.error("--hf-dtypes takes bfloat16 and/or float32")

@@ -2,7 +2,7 @@
 
 For one layer shape at a time (a model's fused q|k|v, o, gate|up, down and lm_head; random 4-bit
 weights time exactly like trained ones), it times the few-row product each kernel gives a decode step at
-M = 1, 2, 4, 8, 16 rows, and the many-row product of a prefill's complete chunks (the int4pack kernel's
+M = 1, 2, 4, 8, 16 rows, and the many-row product of a prefill's complete chunks (the packed kernels'
 unpacked matmul, the dense kernels' resident matmul) at 64, 512 and 2048 rows. Medians of --repeats,
 all in one process; the CPU and the kernel `auto` chooses are printed first. Kernels this CPU lacks are
 left out, by name.
@@ -76,6 +76,7 @@ def time_kernel(name: str, layer: int4.Int4Linear, repeats: int) -> dict[str, fl
     """Milliseconds per call of kernel `name` on `layer`: few rows (a decode step) and many (complete chunks)."""
     kernel = int4.CPU_KERNELS[name]
     if kernel.weights == "packed":
+        layer.use_cpu_kernel(name)
         few = lambda x: layer(x)  # noqa: E731
         many = lambda x: layer(x, x.shape[0])  # noqa: E731
     else:

@@ -1,7 +1,7 @@
 """What one decode step costs: operators per step (torch.profiler) and milliseconds, eager beside compiled.
 
 Loads a package (default: the shipped model/) on the CPU, prefills --batch random prompts of
---prompt-tokens tokens, and drafts --k tokens, once per mode:
+--prompt-tokens tokens, and drafts --k tokens, once per mode (and per packed kernel of --int4-kernels):
 
   eager     the fixed-shape step run op by op
   compiled  the same step compiled for its batch bucket (inductor on the CPU; what --compile on runs)
@@ -15,6 +15,7 @@ writes nothing but --json.
 
     python -m evidence.bench.bench_step --model model --batch 1 16 --k 16 --threads 1
     python -m evidence.bench.bench_step --model model --weights dequant --dtype bfloat16   # the layout CUDA runs
+    python -m evidence.bench.bench_step --model model --batch 1 8 16 --int4-kernels int4pack int4-bf16dot
 """
 
 import argparse
@@ -142,6 +143,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="GPTQ weights: packed INT4 with LoRA beside (the CPU default), or dequant: dense, LoRA merged (what CUDA runs)",
     )
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default: the loader's choice")
+    parser.add_argument(
+        "--int4-kernels",
+        nargs="+",
+        default=["auto"],
+        choices=("auto", *int4.PACKED_CPU_KERNELS),
+        help="packed CPU kernels to measure, one after the other in this run (auto: the one the loader picks)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.k < 2:
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch._inductor.config.cpp.enable_kernel_profile = True  # fused kernels appear in the profile, to be counted
     print(f"cpu: {cpu_description()}; prefill matmuls in {int4.dense_matmul_dtype()}")
     results = {"cpu": cpu_description(), "model": str(args.model), "k": args.k, "rows": []}
-    for mode in args.modes:
+    for mode, kernel in [(mode, kernel) for mode in args.modes for kernel in args.int4_kernels]:
         compiled = {"compiled": True} if mode == "compiled" else {}  # eager: what older checkouts run too
         drafter = draft_model.load_model(
             args.model,
@@ -165,11 +173,13 @@ def main(argv: list[str] | None = None) -> dict:
             weights=args.weights,
             cache_slots=SLOTS_PER_ROW * max(args.batch),
             max_context=args.prompt_tokens + 2 * args.k,
+            int4_kernel=kernel,
             **compiled,
         )
-        print(f"{mode}: weights {drafter.weights}, dtype {drafter.dtype}, {drafter.num_layers} layers")
+        name = drafter.kernel()["name"]
+        print(f"{mode}: weights {drafter.weights}, dtype {drafter.dtype}, kernel {name}, {drafter.num_layers} layers")
         for batch in args.batch:
-            row = {"mode": mode} | measure(drafter, args, batch)
+            row = {"mode": mode, "kernel": name} | measure(drafter, args, batch)
             results["rows"].append(row)
             print(
                 f"  batch {batch:>3}: {row['operators_per_step']:7.0f} operators per step "
