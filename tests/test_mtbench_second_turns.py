@@ -112,7 +112,7 @@ def test_offline_replay_of_both_turns_equals_the_live_two_turn_harness(turns):
         for r in live["runs"]
     }
     assert all(r["check"] == "passed" for r in live["runs"])
-    assert offline == by_name
+    assert {name: offline[name] for name in by_name} == by_name  # best_of, an oracle, has no live drafter
 
 
 def test_a_first_turn_without_an_answer_is_refused(turns):

@@ -8,7 +8,9 @@ and the step commits the run plus the bonus token. A model drafter's run is its 
 forced argmax matches (one forward pass per sequence); prompt lookup (measure_tau.py's n-gram baseline)
 and hybrid drafting (prompt lookup when the context ends in a repeat of at least --hybrid tokens, else the
 model; draft_model.draft_batch's rule) are replayed from the context itself. The counts
-equal measure_tau.py's live harness on the same continuations (tests/test_measure_tau.py).
+equal measure_tau.py's live harness on the same continuations (tests/test_measure_tau.py). A last column,
+"best of", takes at each step whichever of the model's draft and lookup's the continuation accepts further:
+an oracle no drafter can run, printed as the ceiling of every rule that chooses between the two.
 
 Reads: DATA (gen_data.py shards of the measurement prompts, e.g. MT-bench with --holdout-fraction 1 and
 --max-new-tokens 64), PROMPTS (their prompts.jsonl, whose "category" field groups them), the drafter (a
@@ -43,12 +45,7 @@ def replay(prompt: list[int], continuation: list[int], k: int, propose: Proposer
     """(committed tokens, verify steps) of a greedy draft-and-verify loop over one continuation."""
     position = steps = 0
     while position < len(continuation):
-        proposal = propose(prompt + continuation[:position], position, k)[:k]
-        run = 0
-        while (
-            run < len(proposal) and position + run < len(continuation) and proposal[run] == continuation[position + run]
-        ):
-            run += 1
+        run = accepted_run(propose(prompt + continuation[:position], position, k)[:k], continuation, position)
         position += min(run + 1, len(continuation) - position)  # accepted drafts + the bonus, up to the end
         steps += 1
     return len(continuation), steps
@@ -82,13 +79,41 @@ def hybrid_proposer(model: Proposer, min_match: int) -> Proposer:
     return propose
 
 
+def accepted_run(proposal: list[int], continuation: list[int], position: int) -> int:
+    """How many leading tokens of `proposal` the continuation accepts at `position`."""
+    run = 0
+    while run < len(proposal) and position + run < len(continuation) and proposal[run] == continuation[position + run]:
+        run += 1
+    return run
+
+
+def best_of_proposer(model: Proposer, continuation: list[int]) -> Proposer:
+    """At each step whichever of the model's draft and prompt lookup's the continuation accepts further (the
+    model's on a tie): an oracle, so the ceiling of every rule that picks one of the two per step. Lookup at its
+    most permissive, a repeat of one token: it then proposes whenever it would at any minimum match, and the
+    same tokens (the longest match wins)."""
+
+    def propose(context: list[int], position: int, most: int) -> list[int]:
+        drafted = model(context, position, most)
+        copied = draft_model.prompt_lookup(context, most, min_match=1)
+        copied_run = accepted_run(copied[:most], continuation, position)
+        return copied if copied_run > accepted_run(drafted[:most], continuation, position) else drafted
+
+    return propose
+
+
 def category_table(examples: list[dict], categories: dict[str, str], predictions: list, k: int, hybrid: int) -> dict:
     """{category: {drafter: {"committed", "steps", "tau"}}}, plus "all"."""
     counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for example, argmax in zip(examples, predictions):
         prompt, continuation = example["prompt_ids"].tolist(), example["tokens"].tolist()
         model = model_proposer((argmax == example["tokens"]).tolist(), continuation)
-        proposers = {"model": model, "prompt_lookup": ngram_proposer, "hybrid": hybrid_proposer(model, hybrid)}
+        proposers = {
+            "model": model,
+            "prompt_lookup": ngram_proposer,
+            "hybrid": hybrid_proposer(model, hybrid),
+            "best_of": best_of_proposer(model, continuation),
+        }
         for name, propose in proposers.items():
             committed, steps = replay(prompt, continuation, k, propose)
             for group in (categories[example["id"]], "all"):
@@ -101,10 +126,14 @@ def category_table(examples: list[dict], categories: dict[str, str], predictions
 
 
 def markdown(table: dict) -> str:
-    lines = ["| category | model | prompt lookup | hybrid | model >= lookup |", "|---|---|---|---|---|"]
+    lines = [
+        "| category | model | prompt lookup | hybrid | best of model and lookup per step | model >= lookup |",
+        "|---|---|---|---|---|---|",
+    ]
     for group, row in table.items():
-        model, lookup, hybrid = (row[name]["tau"] for name in ("model", "prompt_lookup", "hybrid"))
-        lines.append(f"| {group} | {model:.3f} | {lookup:.3f} | {hybrid:.3f} | {'yes' if model >= lookup else 'no'} |")
+        model, lookup, hybrid, best = (row[name]["tau"] for name in ("model", "prompt_lookup", "hybrid", "best_of"))
+        better = "yes" if model >= lookup else "no"
+        lines.append(f"| {group} | {model:.3f} | {lookup:.3f} | {hybrid:.3f} | {best:.3f} | {better} |")
     return "\n".join(lines)
 
 
