@@ -475,10 +475,10 @@ class Int4Linear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, in) -> (M, out) on the INT4 kernel. On int4pack a large layer (an lm_head over the vocabulary) takes its
-        rows KERNEL_ROWS at a time: the CPU kernel streams the weight once per few rows, and beyond that the
-        weight falls out of cache, so two calls of a few rows cost less than one of many (figures in
-        evidence/RESULTS.md). The rows are independent either way."""
+        """x (M, in) -> (M, out) on the layer's INT4 kernel. On int4pack a large layer (an lm_head over the
+        vocabulary) takes its rows KERNEL_ROWS at a time: that kernel streams the weight once per few rows, and
+        beyond that the weight falls out of cache, so two calls of a few rows cost less than one of many
+        (figures in evidence/RESULTS.md). The rows are independent either way."""
         if self.on_cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed_weight, self.group_size, self.scales_and_offsets)
         if self.cpu_kernel == "int4-bf16dot":  # unpacks the weights once per call, whatever its rows
