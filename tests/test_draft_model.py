@@ -315,13 +315,13 @@ def test_max_context_must_fit_the_model(qwen3):
 
 
 # Drafts of the shipped model/ on the exact path (dense fp32), recorded when model/ was last replaced (the
-# 12-layer ShareGPT-trained package): refactoring the drafter must not change what model/ drafts.
+# 12-layer package trained on shards 0-98): refactoring the drafter must not change what model/ drafts.
 PINNED_MODEL_DRAFTS = [
-    [30, 378, 1027, 30, 378, 1027, 30, 378],
-    [975, 260, 1439, 282, 260, 1439, 282, 260],
-    [30, 378, 1909, 282, 260, 1909, 282, 260],
-    [30, 198, 198, 504, 99, 597, 597, 597],
-    [30, 198, 198, 504, 1909, 282, 260, 1909],
+    [30, 533, 451, 1671, 28, 665, 314, 253],
+    [282, 260, 1142, 1142, 1142, 1142, 1142, 1142],
+    [282, 260, 6128, 30, 378, 6128, 314, 253],
+    [30, 909, 314, 253, 3476, 338, 314, 253],
+    [260, 3414, 282, 260, 3414, 282, 260, 3414],
 ]
 
 
