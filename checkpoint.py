@@ -333,13 +333,10 @@ def _load_state(
     packed: bool,
     device: torch.device,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, str]]:
-    """Checkpoint tensors -> our state dict in the compute dtype.
-
-    Each GPTQ linear becomes Int4Linear buffers when `packed` and the device's kernel can take it, else a dense
-    dequantized weight; a quantized tied embedding becomes the INT4 lm_head (whose rows are the
-    embedding) or a dense table. Returns the state, the packed layers (name -> group size) and, for
-    every quantized tensor left dense, the reason.
-    """
+    """Checkpoint tensors -> our state dict in the compute dtype. Each GPTQ linear becomes Int4Linear buffers
+    when `packed` and the device's kernel can take it, else a dense dequantized weight; a quantized tied
+    embedding becomes the INT4 lm_head (whose rows are the embedding) or a dense table. Returns the state,
+    the packed layers (name -> group size) and, for every quantized tensor left dense, the reason."""
     state, int4_layers, dense_reasons = {}, {}, {}
     quantized = {name: (name, quant.group_size) for name in _quantized_linears(cfg, quant)} if quant else {}
     if quant and quant.embedding_group_size:
@@ -356,12 +353,8 @@ def _load_state(
         if reason is None and name == "embed_tokens" and not (out_features % 64 == 0 and kernel_layout_is_known()):
             reason = "embedding rows are read in the kernel's 64-row layout: it must be known and the vocabulary a multiple of 64"
         if reason is None:
-            state.update(
-                {
-                    f"{packed_name}.{k}": v
-                    for k, v in Int4Linear.pack_gptq(**parts, checkpoint_format=quant.checkpoint_format).items()
-                }
-            )
+            packed_state = Int4Linear.pack_gptq(**parts, checkpoint_format=quant.checkpoint_format)
+            state.update({f"{packed_name}.{k}": v for k, v in packed_state.items()})
             int4_layers[packed_name] = group_size
         else:
             dense_reasons[name] = reason

@@ -221,7 +221,7 @@ BF16DOT_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512
 @functools.cache
 def bf16dot_build_problem() -> str | None:
     """Build and load the int4-bf16dot kernel (torch.utils.cpp_extension: a C++ compiler and ninja; the first
-    build takes about a minute, later processes reuse torch's extension cache). Why it cannot, or None."""
+    build takes about ten seconds, later processes reuse torch's extension cache). Why it cannot, or None."""
     from torch.utils import cpp_extension
 
     try:
