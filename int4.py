@@ -247,7 +247,8 @@ def packed_cpu_kernel(name: str = "auto") -> str:
     int4pack."""
     if name in PACKED_CPU_KERNELS:
         return choose_cpu_kernel(name)
-    return "int4-bf16dot" if "avx512_bf16" in cpu_flags() and bf16dot_build_problem() is None else "int4pack"
+    has_needs = bool(set(CPU_KERNELS["int4-bf16dot"].needs) & cpu_flags())
+    return "int4-bf16dot" if has_needs and bf16dot_build_problem() is None else "int4pack"
 
 
 def choose_cpu_kernel(name: str) -> str:
