@@ -20,6 +20,7 @@ import torch
 
 import engine
 import int4
+from attention_kernel import wants_query_kernel
 from checkpoint import LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
@@ -53,13 +54,15 @@ def load_model(
     compiled: bool = False,
     batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
     int4_kernel: str = "auto",
+    attention_kernel: str = "auto",
 ) -> "Drafter":
     """Load a model package or a Hugging Face checkpoint directory, strictly (docs/package-format.md).
 
     device: cuda when available, else cpu. weights: "packed" keeps GPTQ linears at 4 bits and
     multiplies with an INT4 kernel (bf16); "dequant" expands them to dense weights; "auto" packs whenever a
     kernel can run. int4_kernel: the packed CPU kernel (int4.PACKED_CPU_KERNELS); auto: int4.packed_cpu_kernel.
-    dtype: bf16 when packed or on cuda, else fp32.
+    dtype: bf16 when packed or on cuda, else fp32. attention_kernel: how a decode step's queries attend
+    (attention_kernel.ATTENTION_KERNELS); auto: the CPU kernel on a CPU with AVX512F in bf16, else PyTorch's.
     cache_slots: prefix-cache slots (a call uses planning.SLOTS_PER_ROW per row). max_context: tokens per
     slot, default the model's max_position_embeddings capped at planning.DEFAULT_MAX_CONTEXT. LoRA is merged into dense weights by default
     and always kept as side matmuls beside packed ones (use_lora=False ignores the adapter).
@@ -92,6 +95,10 @@ def load_model(
             f"max_context {context} must lie in 1..{cfg.max_position_embeddings} (the model's max_position_embeddings)"
         )
     device, dtype = loaded.model.norm.weight.device, loaded.model.norm.weight.dtype
+    try:
+        loaded.model.use_query_kernel(wants_query_kernel(attention_kernel, device, dtype))
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_slots, context, device, dtype)
     decoder = engine.Decoder(loaded.model, cache, tuple(batch_buckets), compiled)
     return Drafter(loaded.model, cfg, cache, decoder, loaded.quant, loaded.lora, loaded.model_card, str(model_dir))
@@ -187,7 +194,8 @@ class Drafter:
         # The chosen kernel first; int4pack after it for layers too narrow for it.
         kernels = [k for k in reversed(int4.PACKED_CPU_KERNELS) if k in packed] or [f"dense-{dtype}"]
         what = "; ".join(int4.CPU_KERNELS[k].what if k in int4.CPU_KERNELS else "dense weights" for k in kernels)
-        return {"name": "+".join(kernels), "what": what, "cpu": int4.cpu_description()}
+        attention = "query-kernel" if self.model.layers[0].self_attn.query_kernel else "torch"
+        return {"name": "+".join(kernels), "what": what, "cpu": int4.cpu_description(), "attention": attention}
 
     def describe(self) -> dict:
         """JSON-ready identity and limits (the server's /health)."""

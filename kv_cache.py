@@ -67,6 +67,10 @@ class KVCache:
         """The (B, H_kv, length, D) keys and values at positions 0..length-1 of each of `slots` (B,)."""
         return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]
 
+    def slot_window(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (H_kv, length, D) keys and values at positions 0..length-1 of one slot, as views."""
+        return self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length]
+
     def longest_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """(slot, length) of the longest common prefix between `tokens` and any slot; newest slot on ties."""
         n = min(len(tokens), self.max_len)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention_kernel import query_attention
 from int4 import DENSE_ROW_BLOCK, Int4Linear, blockwise_matmul
 from kv_cache import KVCache
 from planning import CHUNK
@@ -334,6 +335,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.query_kernel = False  # few_queries by attention_kernel's CPU kernel: Transformer.use_query_kernel
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -347,19 +349,30 @@ class Attention(nn.Module):
         q, k = apply_rope(q_and_k, cos, sin).split([H, H_kv], dim=1)  # one rotation for both
         cache.write(layer, plan.write_slots, plan.positions, k, v)
         if isinstance(plan, StepPlan):
-            keys, values = cache.window(layer, plan.read_slots, plan.key_positions.numel())  # (B, H_kv, window, D)
-            out = block_attention(q[:, None], keys, values, plan.positions[:, None])[:, 0]
+            window = plan.key_positions.numel()
+            out = self.few_queries(q[:, None], cache, layer, plan.read_slots, plan.positions[:, None], window)[:, 0]
         else:
             out = torch.empty_like(q)
             for segment, mask in zip(plan.segments, plan.masks):
-                keys, values = cache.window(layer, plan.write_slots[segment.start : segment.start + 1], segment.window)
+                keys, values = cache.slot_window(layer, segment.slot, segment.window)  # views: no copy
                 queries = q[segment.start : segment.stop]  # (T, H, D)
                 if segment.complete_chunk:
-                    out[segment.start : segment.stop] = chunk_attention(queries, keys[0], values[0], mask)
+                    out[segment.start : segment.stop] = chunk_attention(queries, keys, values, mask)
                 else:
+                    slots = plan.write_slots[segment.start : segment.start + 1]
                     positions = plan.positions[None, segment.start : segment.stop]
-                    out[segment.start : segment.stop] = block_attention(queries[None], keys, values, positions)[0]
+                    out[segment.start : segment.stop] = self.few_queries(
+                        queries[None], cache, layer, slots, positions, segment.window
+                    )[0]
         return project(self.o_proj, out.reshape(N, H * D), plan.dense_rows)
+
+    def few_queries(self, q, cache: KVCache, layer: int, slots, positions, window: int) -> torch.Tensor:
+        """q (G, T, H, D) at positions (G, T) of cache slots (G,), whose keys end by `window` -> (G, T, H, D):
+        by the CPU kernel reading the cache in place where the model uses it, else by block_attention."""
+        if self.query_kernel:
+            return query_attention(q, cache.keys[layer], cache.values[layer], slots, positions)
+        keys, values = cache.window(layer, slots, window)  # (G, H_kv, window, D)
+        return block_attention(q, keys, values, positions)
 
 
 class MLP(nn.Module):
@@ -407,6 +420,12 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Int4Linear):
                 module.use_cpu_kernel(name)
+
+    def use_query_kernel(self, on: bool) -> None:
+        """Attend a decode step's and a prefill tail's queries with attention_kernel's CPU kernel (on) or with
+        block_attention."""
+        for layer in self.layers:
+            layer.self_attn.query_kernel = on
 
     def use_cuda_int4_kernels(self) -> None:
         """Repack every Int4Linear (on a CUDA device) for the CUDA kernel. A tied INT4 table is first copied

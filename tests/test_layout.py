@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = [
     "planning",
     "int4",
+    "attention_kernel",
     "kv_cache",
     "transformer",
     "package_manifest",

@@ -1,0 +1,74 @@
+"""The CPU attention kernel for a few queries per sequence (query_attention.cpp): its build, and the choice.
+
+A decode step, and a prefill's last incomplete chunk, attend a few queries per row over keys that lie in
+the KV cache. In PyTorch operators (transformer.block_attention) that means gathering each row's window of
+keys and values, converting it to fp32 and masking what lies past each query; for a batch of rows that is
+most of a decode step. The kernel reads the bf16 cache in place instead, with the same fp32 math and the same
+rule: a query's result depends only on its own keys.
+"""
+
+import functools
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+
+from int4 import cpu_flags
+
+log = logging.getLogger(__name__)
+
+ATTENTION_KERNELS = ("auto", "query-kernel", "torch")  # what draft_model.load_model's attention_kernel takes
+SOURCE = Path(__file__).with_name("query_attention.cpp")
+NEEDS = "avx512f"
+# Compiled for AVX512F whatever the build machine has; it runs only where cpu_flags() has it.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f"]
+
+
+@functools.cache
+def build_problem() -> str | None:
+    """Build and load the kernel (a C++ compiler and ninja; seconds, then torch's extension cache). Why it
+    cannot, or None."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load("draft_server_query_attention", [str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
+        problem = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        log.warning("the query-attention kernel could not be built, PyTorch's operators attend instead: %s", problem)
+        return problem
+    torch.library.register_fake("draft_server_attention::query_attention")(_output_shape)
+    return None
+
+
+def _output_shape(q, keys, values, slots, positions):
+    """query_attention's output, for torch.compile's tracing: q's shape."""
+    return torch.empty_like(q)
+
+
+def wants_query_kernel(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Does a model on `device` in `dtype` attend with the kernel? `name` is one of ATTENTION_KERNELS: auto takes
+    it on a CPU with AVX512F, in bf16, where it builds; query-kernel insists (ValueError, one line, where it
+    cannot run); torch never takes it."""
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {name!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
+    if name == "torch":
+        return False
+    why_not = None
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        why_not = f"it runs on the CPU in bf16, not on {device.type} in {str(dtype).removeprefix('torch.')}"
+    elif NEEDS not in cpu_flags():
+        why_not = f"it needs a CPU with {NEEDS}"
+    elif build_problem() is not None:
+        why_not = f"it could not be built here ({build_problem()})"
+    if why_not and name == "query-kernel":
+        raise ValueError(f"the attention kernel query-kernel cannot run: {why_not}; choose auto or torch")
+    return why_not is None
+
+
+def query_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """q (G, T, H, D) at positions (G, T) of cache slots (G,), over a layer's cache keys, values (S, H_kv, C, D)
+    -> (G, T, H, D), as transformer.block_attention computes it from the gathered window."""
+    return torch.ops.draft_server_attention.query_attention(q.contiguous(), keys, values, slots, positions)
