@@ -6,6 +6,8 @@ weights time exactly like trained ones), loads it two or three ways, and times 1
   ours packed    draft_model, GPTQ linears kept at 4 bits on the packed kernel auto picks (bf16 activations:
                  int4-bf16dot where the CPU has AVX512-BF16, else PyTorch's int4pack)
   ours int4pack  the same on PyTorch's int4pack kernel whatever the CPU (the baseline of int4-bf16dot)
+  ours torch-attention  ours packed with a decode step's queries attended by PyTorch operators
+                 (transformer.block_attention) instead of the CPU attention kernel auto picks
   ours packed+q-head   the same with the lm_head rounded to INT4 at load (quantize_lm_head); only for
                  packages whose tied table is bf16 (with --embedding-group-size the head already is INT4)
   ours dequant   draft_model, weights dequantized to fp32 (the exact path; the dense-fp32 kernel)
@@ -49,6 +51,7 @@ import draft_model  # noqa: E402
 import engine  # noqa: E402
 import int4  # noqa: E402
 import transformer  # noqa: E402
+from attention_kernel import wants_query_kernel  # noqa: E402
 from planning import SLOTS_PER_ROW  # noqa: E402
 
 SHAPES = {  # make_random_package.py flags; real Qwen3 vocabulary, tied embeddings, group 128
@@ -272,6 +275,7 @@ def print_profile(shape: str, path: str, batch: int, context: int, parts: dict) 
 OUR_PATHS = {  # --ours: each path's load_model arguments
     "packed": {},
     "int4pack": {"int4_kernel": "int4pack"},
+    "torch-attention": {"attention_kernel": "torch"},
     "packed+q-head": {"quantize_lm_head": True},
     "dequant": {"weights": "dequant"},
     "dense-bf16": {"weights": "dequant", "dtype": "bfloat16"},
@@ -365,7 +369,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ours",
         default="packed,packed+q-head,dequant",
         help="comma-separated paths of ours to time: packed (the packed kernel auto picks), int4pack (PyTorch's "
-        "INT4 kernel), packed+q-head (skipped where "
+        "INT4 kernel), torch-attention (packed, without the attention kernel), packed+q-head (skipped where "
         "the head already is INT4), dequant (dense fp32: the dense-fp32 kernel), dense-bf16 (dense bf16 weights)",
     )
     parser.add_argument(
@@ -413,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{cpu_line()}; INT4 kernel auto: {int4.choose_cpu_kernel('auto')}", flush=True)
+    attention = "query-kernel" if wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16) else "torch"
+    print(f"{cpu_line()}; INT4 kernel auto: {int4.choose_cpu_kernel('auto')}; attention auto: {attention}", flush=True)
     allocator = (
         "glibc malloc keeps freed blocks" if draft_model.reuse_freed_memory() else "default allocator"
     )  # as the server
