@@ -66,6 +66,11 @@ def wants_query_kernel(name: str, device: torch.device, dtype: torch.dtype) -> b
     return why_not is None
 
 
+def cpu_choice() -> str:
+    """What auto attends with in a bf16 model on this CPU, by name: query-kernel or torch (benchmarks print it)."""
+    return "query-kernel" if wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16) else "torch"
+
+
 def query_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:

@@ -185,16 +185,17 @@ class Drafter:
 
     def kernel(self) -> dict:
         """How the model's linear layers multiply: the kernel's name (int4.CPU_KERNELS on the CPU), what it
-        does, and on the CPU the instruction sets it was chosen for."""
+        does, and on the CPU the instruction sets it was chosen for; how a decode step attends (attention:
+        query-kernel, attention_kernel's CPU kernel, or torch, transformer.block_attention)."""
         dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
+        attention = "query-kernel" if self.model.layers[0].self_attn.query_kernel else "torch"
         if self.device.type != "cpu":
             name = "cuda-int4" if self.weights == "packed" else f"dense-{dtype}"
-            return {"name": name, "what": f"on {self.device.type}"}
+            return {"name": name, "what": f"on {self.device.type}", "attention": attention}
         packed = {m.cpu_kernel for m in self.model.modules() if isinstance(m, Int4Linear)}
         # The chosen kernel first; int4pack after it for layers too narrow for it.
         kernels = [k for k in reversed(int4.PACKED_CPU_KERNELS) if k in packed] or [f"dense-{dtype}"]
         what = "; ".join(int4.CPU_KERNELS[k].what if k in int4.CPU_KERNELS else "dense weights" for k in kernels)
-        attention = "query-kernel" if self.model.layers[0].self_attn.query_kernel else "torch"
         return {"name": "+".join(kernels), "what": what, "cpu": int4.cpu_description(), "attention": attention}
 
     def describe(self) -> dict:

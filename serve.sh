@@ -12,7 +12,8 @@
 #   MAX_DRAFT_TOKENS -> --max-draft-tokens   MIN_CONFIDENCE -> --min-confidence   LOOKUP_MIN_MATCH -> --lookup-min-match
 #   CACHE_SLOTS -> --cache-slots   MAX_CONTEXT -> --max-context
 #   DEVICE -> --device   DTYPE -> --dtype   WEIGHTS -> --weights   THREADS -> --threads
-#   INT4_KERNEL -> --int4-kernel (auto, int4pack, dense-bf16, dense-fp32)
+#   INT4_KERNEL -> --int4-kernel (auto, int4pack, int4-bf16dot, dense-bf16, dense-fp32)
+#   ATTENTION_KERNEL -> --attention-kernel (auto, query-kernel, torch)
 #   COMPILE -> --compile (auto, on, off; also 1 = on, 0 = off)   BATCH_BUCKETS -> --batch-buckets (e.g. 1,2,4,8,16)
 #   API_KEY_FILE -> --api-key-file   MAX_BODY_BYTES -> --max-body-bytes   LOG_LEVEL -> --log-level
 #   QUEUE_DEADLINE_S -> --queue-deadline-s   DRAIN_SECONDS -> --drain-seconds
@@ -75,6 +76,7 @@ add_flag --device "${DEVICE:-}"
 add_flag --dtype "${DTYPE:-}"
 add_flag --weights "${WEIGHTS:-}"
 add_flag --int4-kernel "${INT4_KERNEL:-}"
+add_flag --attention-kernel "${ATTENTION_KERNEL:-}"
 add_flag --threads "${THREADS:-}"
 case "${COMPILE:-}" in 1) add_flag --compile on ;; 0) add_flag --compile off ;; *) add_flag --compile "${COMPILE:-}" ;; esac
 add_flag --batch-buckets "${BATCH_BUCKETS:-}"

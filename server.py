@@ -294,6 +294,7 @@ def load_drafter(settings: ServerSettings) -> draft_model.Drafter:
             compiled=settings.compiled,
             batch_buckets=settings.batch_buckets,
             int4_kernel=settings.int4_kernel,
+            attention_kernel=settings.attention_kernel,
         )
     except draft_model.ModelLoadError as error:
         raise ConfigError(f"cannot load the model from --model-dir {settings.model_dir}: {error}") from None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import attention_kernel
 import checkpoint
 import draft_model
 import int4
@@ -119,6 +120,14 @@ class ServerSettings:
         "and --dtype",
         "auto",
         choices=("auto", *int4.CPU_KERNELS),
+    )
+    attention_kernel: str = setting(
+        "how a decode step's queries attend over the KV cache: query-kernel (this project's CPU kernel, "
+        "query_attention.cpp: reads the bf16 cache in place; needs AVX512F and a C++ compiler, built at the first "
+        "start), torch (PyTorch operators on a gathered window); auto: query-kernel on a CPU with AVX512F in bf16 "
+        "where it builds, else torch",
+        "auto",
+        choices=attention_kernel.ATTENTION_KERNELS,
     )
     compile: str = setting(
         "decode with a step compiled once per batch bucket (torch.compile; replayed as a CUDA graph on cuda), "
@@ -299,7 +308,8 @@ def startup_summary(identity: dict, settings: ServerSettings, load_seconds: floa
         f"loaded {identity['name']} from {settings.model_dir} in {load_seconds:.2f} s: {identity['architecture']}, "
         f"{identity['num_layers']} layers, vocab {identity['vocab_size']}, {quant_text}, "
         f"lora r={identity['lora_rank']}, {random_text}integrity {integrity}, device {identity['device']}, "
-        f"dtype {identity['dtype']}, weights {identity['weights']}, kernel {identity['kernel']['name']}"
+        f"dtype {identity['dtype']}, weights {identity['weights']}, kernel {identity['kernel']['name']}, "
+        f"attention {identity['kernel']['attention']}"
         f"{' on a CPU with ' + identity['kernel']['cpu'] if 'cpu' in identity['kernel'] else ''}, "
         f"max_context {identity['max_context']}, "
         f"cache_slots {identity['cache_slots']}, max_batch_size {settings.max_batch_size}, "

@@ -1,6 +1,7 @@
 """A row's draft depends only on its tokens, the weights and its own settings, on every CPU kernel shipped
 for INT4 layers (int4.CPU_KERNELS: int4pack, int4-bf16dot and dense-bf16 where the CPU has bf16 hardware,
-dense-fp32).
+dense-fp32), and with either attention for a decode step's queries (attention_kernel's CPU kernel, which the
+bf16 paths take where it runs, or PyTorch's operators).
 
 Each case drafts the same rows several ways (alone on a fresh pool, again from the prefix cache, in
 batches with neighbours of other lengths, as batched harness follow-ups) and requires the drafts and
@@ -46,11 +47,13 @@ KERNELS = {
     }
     for name, kernel in int4.CPU_KERNELS.items()
 }
+# The bf16 kernels attend with the CPU attention kernel where it runs (auto); this one with PyTorch's operators.
+KERNELS["int4pack+torch-attention"] = KERNELS["int4pack"] | {"attention_kernel": "torch"}
 
 
 def load(package, kernel: str, cache_slots: int) -> draft_model.Drafter:
     try:
-        int4.choose_cpu_kernel(kernel)
+        int4.choose_cpu_kernel(kernel.split("+")[0])
     except ValueError as lacking:
         pytest.skip(str(lacking))
     return draft_model.load_model(package, cache_slots=cache_slots, **KERNELS[kernel])
@@ -65,7 +68,8 @@ def test_batches_of_every_size_draft_what_each_row_drafts_alone(package, kernel)
     rows = rows_of(LENGTHS * 2, seed=1)
     expected = alone(package, rows, kernel)
     drafter = load(package, kernel, cache_slots=64)
-    assert drafter.kernel()["name"].split("+")[0] == kernel  # + int4pack for layers too narrow for int4-bf16dot
+    # + int4pack for layers too narrow for int4-bf16dot
+    assert drafter.kernel()["name"].split("+")[0] == kernel.split("+")[0]
     shuffled = random.Random(2)
     for size in (2, 3, 5, 8, 16):
         order = shuffled.sample(range(len(rows)), size)

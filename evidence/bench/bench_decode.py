@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 import draft_model
 import int4
+from attention_kernel import cpu_choice
 from evidence import common
 
 
@@ -164,7 +165,10 @@ def main() -> None:
         write_int4_package(checkpoint, package, args.group_size)
     draft_model.reuse_freed_memory()
     prompt = torch.randint(0, 49152, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
-    print(f"CPU: {int4.cpu_description()}; our kernel: {int4.choose_cpu_kernel('auto')}", flush=True)
+    print(
+        f"CPU: {int4.cpu_description()}; our kernel: {int4.choose_cpu_kernel('auto')}, attention {cpu_choice()}",
+        flush=True,
+    )
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)

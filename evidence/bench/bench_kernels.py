@@ -3,7 +3,9 @@
 For one layer shape at a time (a model's fused q|k|v, o, gate|up, down and lm_head; random 4-bit
 weights time exactly like trained ones), it times the few-row product each kernel gives a decode step at
 M = 1, 2, 4, 8, 16 rows, and the many-row product of a prefill's complete chunks (the packed kernels'
-unpacked matmul, the dense kernels' resident matmul) at 64, 512 and 2048 rows. Medians of --repeats,
+unpacked matmul, the dense kernels' resident matmul) at 64, 512 and 2048 rows; then one layer's attention
+for a decode step of 1-16 rows and a 40-query prefill tail, 512 keys behind each query, by PyTorch's
+operators and by the CPU attention kernel (attention_kernel.py) where it runs. Medians of --repeats,
 all in one process; the CPU and the kernel `auto` chooses are printed first. Kernels this CPU lacks are
 left out, by name.
 
@@ -13,6 +15,7 @@ Reads nothing. Writes a table to stdout (and with --json the figures).
 """
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -23,6 +26,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+import attention_kernel  # noqa: E402
 import int4  # noqa: E402
 import transformer  # noqa: E402
 
@@ -34,6 +38,8 @@ SHAPES = {  # (hidden, intermediate, q heads x head dim, kv heads x head dim, vo
 GROUP = 32
 FEW_ROWS = (1, 2, 4, 8, 16)
 MANY_ROWS = (64, 512, 2048)
+HEADS = {"qwen3-180m": (4, 2, 128), "qwen3-0.6b": (16, 8, 128), "smollm2-135m": (9, 3, 64)}  # query, kv, head_dim
+CONTEXT = 512  # keys behind each query in the attention timings
 
 
 def layers(shape: str) -> dict[str, tuple[int, int]]:
@@ -94,6 +100,35 @@ def time_kernel(name: str, layer: int4.Int4Linear, repeats: int) -> dict[str, fl
     return figures
 
 
+def gathered_attention(q, keys, values, slots, positions, window: int) -> torch.Tensor:
+    """block_attention as the model calls it without the kernel: each row's window gathered from the cache."""
+    return transformer.block_attention(q, keys[slots, :, :window], values[slots, :, :window], positions)
+
+
+@torch.inference_mode()
+def time_attention(shape: str, repeats: int) -> dict[str, dict[str, float]]:
+    """Milliseconds per layer call of a decode step's attention (rows of one query) and of a prefill tail (one
+    row of 40 queries), CONTEXT keys behind each, by PyTorch's operators on the gathered window
+    (transformer.block_attention) and, where it runs, by the CPU kernel reading the cache in place."""
+    heads, kv_heads, head_dim = HEADS[shape]
+    window = CONTEXT + 64
+    generator = torch.Generator().manual_seed(0)
+    cache = [torch.randn(33, kv_heads, window + 64, head_dim, generator=generator).bfloat16() for _ in range(2)]
+    figures = {"torch": {}, "query-kernel": {}}
+    for rows, queries in [*((rows, 1) for rows in FEW_ROWS), (1, 40)]:
+        q = torch.randn(rows, queries, heads, head_dim, generator=generator).bfloat16()
+        slots = torch.arange(rows)
+        positions = torch.arange(CONTEXT - queries, CONTEXT).expand(rows, queries)
+        label = f"M={rows}" if queries == 1 else f"tail of {queries}"
+
+        where = {"keys": cache[0], "values": cache[1], "slots": slots, "positions": positions}
+        figures["torch"][label] = median_ms(functools.partial(gathered_attention, window=window, **where), q, repeats)
+        if attention_kernel.cpu_choice() == "query-kernel":
+            in_place = functools.partial(attention_kernel.query_attention, **where)
+            figures["query-kernel"][label] = median_ms(in_place, q, repeats)
+    return {name: cells for name, cells in figures.items() if cells}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-180m", choices=list(SHAPES), help="the model whose layers to time")
@@ -105,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--threads and --repeats must be at least 1")
     torch.set_num_threads(args.threads)
     print(
-        f"CPU flags: {int4.cpu_description()}; {args.threads} thread(s); auto chooses {int4.choose_cpu_kernel('auto')}"
+        f"CPU flags: {int4.cpu_description()}; {args.threads} thread(s); auto chooses {int4.choose_cpu_kernel('auto')}; "
+        f"attention auto: {attention_kernel.cpu_choice()}"
     )
     shipped = []
     for name in int4.CPU_KERNELS:
@@ -121,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
             results[f"{layer_name} {name}"] = figures
             cells = "  ".join(f"{rows} {ms:7.2f}" for rows, ms in figures.items())
             print(f"{args.shape} {layer_name:8s} {in_features}x{out_features} {name:10s} ms: {cells}", flush=True)
+    for name, figures in time_attention(args.shape, args.repeats).items():
+        results[f"attention {name}"] = figures
+        cells = "  ".join(f"{rows} {ms:7.2f}" for rows, ms in figures.items())
+        print(f"{args.shape} attention over {CONTEXT} keys {name:12s} ms: {cells}", flush=True)
     if args.json:
         temporary = args.json.with_name(args.json.name + ".tmp")
         temporary.write_text(json.dumps({"argv": sys.argv[1:], "cpu": int4.cpu_description(), "ms": results}))
