@@ -236,7 +236,7 @@ def bf16dot_build_problem() -> str | None:
     return None
 
 
-def _bf16dot_shape(x, packed, scales_and_offsets, group_size):
+def _bf16dot_shape(x, packed, scales_and_offsets, group_size, lora_A=None, lora_Bt=None):
     """int4_bf16dot_mm's output, for torch.compile's tracing: (M, N)."""
     return x.new_empty(x.shape[0], packed.shape[0])
 
@@ -448,11 +448,16 @@ class Int4Linear(nn.Module):
         return weights.reshape(*ids.shape, self.in_features)
 
     def forward(
-        self, x: torch.Tensor, dense_rows: int = 0, lora: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        dense_rows: int = 0,
+        lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+        side: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x (N, in) -> (N, out): rows 0..dense_rows-1 through the unpacked weight (with `lora`, an adapter
         merged into it: see dense_weight), the rest through the kernel (leading dimensions are flattened
-        into N). A caller passing `lora` sends only dense rows.
+        into N). `side`: the same adapter as (A, B^T), added inside the kernel (only where fuses_lora); a
+        caller passing `lora` without `side` sends only dense rows.
 
         Each row's result depends only on the row and on which of the two ways it takes: the kernel and
         the dense matmul both compute a row independently of how many others share the call."""
@@ -471,20 +476,30 @@ class Int4Linear(nn.Module):
             out = torch.cat([blockwise_matmul(dense, weight, DENSE_ROW_BLOCK) for weight in weights], dim=-1)
             parts.append(out.to(x.dtype))
         if dense_rows < x.shape[0]:
-            parts.append(self.kernel(x[dense_rows:]))
+            parts.append(self.kernel(x[dense_rows:], side))
         out = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*leading, self.out_features)
         return out + self.bias if self.bias is not None else out
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, in) -> (M, out) on the layer's INT4 kernel. On int4pack a large layer (an lm_head over the
-        vocabulary) takes its rows KERNEL_ROWS at a time: that kernel streams the weight once per few rows, and
-        beyond that the weight falls out of cache, so two calls of a few rows cost less than one of many
-        (figures in evidence/RESULTS.md). The rows are independent either way."""
+    @property
+    def fuses_lora(self) -> bool:
+        """Does the kernel add a LoRA adapter's side product itself (int4-bf16dot), so that the layer's
+        LoRALinear passes the adapter in rather than running side matmuls?"""
+        return self.cpu_kernel == "int4-bf16dot" and not self.on_cuda_kernel and self.in_features % 16 == 0
+
+    def kernel(self, x: torch.Tensor, side: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x (M, in) -> (M, out) on the layer's INT4 kernel (with `side`, an adapter's fp32 (A, B^T) added in:
+        fuses_lora only). On int4pack a large layer (an lm_head over the vocabulary) takes its rows KERNEL_ROWS
+        at a time: that kernel streams the weight once per few rows, and beyond that the weight falls out of
+        cache, so two calls of a few rows cost less than one of many (figures in evidence/RESULTS.md). The rows
+        are independent either way."""
+        if side is not None and not self.fuses_lora:
+            raise RuntimeError(f"the {self.cpu_kernel} kernel does not add a LoRA side product; add it outside")
         if self.on_cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed_weight, self.group_size, self.scales_and_offsets)
         if self.cpu_kernel == "int4-bf16dot":  # unpacks the weights once per call, whatever its rows
+            lora_A, lora_Bt = side if side is not None else (None, None)
             return torch.ops.draft_server.int4_bf16dot_mm(
-                x.contiguous(), self.packed_weight, self.scales_and_offsets, self.group_size
+                x.contiguous(), self.packed_weight, self.scales_and_offsets, self.group_size, lora_A, lora_Bt
             )
         multiply = functools.partial(
             torch.ops.aten._weight_int4pack_mm_for_cpu,

@@ -9,6 +9,9 @@
 // A row's result therefore depends on nothing but the row and the weights: the same instructions in the
 // same order for any number of rows and of threads (threads split the columns, never K).
 //
+// A LoRA adapter beside the layer (transformer.LoRALinear) rides along: its rank-r side product is added to
+// each row's fp32 result before the one rounding to bf16, so a step makes no side matmuls of its own.
+//
 // Built at first use by int4.py (torch.utils.cpp_extension) and registered as draft_server::int4_bf16dot_mm.
 
 #include <ATen/ATen.h>
@@ -126,10 +129,41 @@ inline void multiply_rows(const at::BFloat16* x, int64_t rows, int64_t K, int64_
 
 }  // namespace
 
+// The sums x[m] . a[r] of RANKS consecutive rows r of A, each over k in order (side by side, so that their
+// fused multiply-adds do not wait on each other).
+template <int RANKS>
+inline void adapter_sums(const at::BFloat16* x, const float* a, int64_t K, float* t) {
+  __m512 dot[RANKS];
+  for (int r = 0; r < RANKS; ++r) dot[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i*)(x + k));
+    const __m512 xs = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    for (int r = 0; r < RANKS; ++r) dot[r] = _mm512_fmadd_ps(xs, _mm512_loadu_ps(a + r * K + k), dot[r]);
+  }
+  for (int r = 0; r < RANKS; ++r) t[r] = _mm512_reduce_add_ps(dot[r]);
+}
+
+// A LoRA adapter's rank-R input of each row, t = x A^T: (M, R) fp32.
+static std::vector<float> adapter_inputs(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& lora_A) {
+  const int64_t R = lora_A.size(0);
+  const float* a = lora_A.data_ptr<float>();
+  std::vector<float> t(M * R);
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) adapter_sums<4>(x + m * K, a + r * K, K, &t[m * R + r]);
+    for (; r < R; ++r) adapter_sums<1>(x + m * K, a + r * K, K, &t[m * R + r]);
+  }
+  return t;
+}
+
 // x (M, K) bf16 @ W^T -> (M, N) bf16, W the INT4 weight in PyTorch's CPU layout: packed (N, K/2) uint8 and
-// scales_and_offsets (K/G, N, 2) bf16, W[n, k] = (q - 8) * scale + offset.
+// scales_and_offsets (K/G, N, 2) bf16, W[n, k] = (q - 8) * scale + offset. With a LoRA adapter, lora_A (R, K)
+// and lora_Bt (N/64, R, 64) fp32 (B transposed and cut into the strips' blocks, its scale folded in), each
+// row's side product (x A^T) B^T is added to its fp32 result before the one rounding to bf16: the sum over r
+// in order, after the INT4 product.
 at::Tensor int4_bf16dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_offsets,
-                           int64_t group_size) {
+                           int64_t group_size, const c10::optional<at::Tensor>& lora_A,
+                           const c10::optional<at::Tensor>& lora_Bt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous (M, K) bf16");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: contiguous uint8");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
@@ -138,6 +172,15 @@ at::Tensor int4_bf16dot_mm(const at::Tensor& x, const at::Tensor& packed, const 
                   scales_and_offsets.size(0) * group_size == K && scales_and_offsets.size(1) == N,
               "scales_and_offsets: contiguous (K/G, N, 2) bf16");
   TORCH_CHECK(group_size % 2 == 0 && group_size / 2 <= MAX_GROUP_PAIRS, "group size: even, at most 256");
+  const bool adapter = lora_A.has_value();
+  TORCH_CHECK(adapter == lora_Bt.has_value(), "lora_A and lora_Bt: both or neither");
+  const int64_t R = adapter ? lora_A->size(0) : 0;
+  if (adapter)
+    TORCH_CHECK(lora_A->scalar_type() == at::kFloat && lora_A->is_contiguous() && lora_A->dim() == 2 &&
+                    lora_A->size(1) == K && K % 16 == 0 && lora_Bt->scalar_type() == at::kFloat &&
+                    lora_Bt->is_contiguous() && lora_Bt->dim() == 3 && lora_Bt->size(0) == N / STRIP &&
+                    lora_Bt->size(1) == R && lora_Bt->size(2) == STRIP,
+                "lora_A (R, K) and lora_Bt (N/64, R, 64): contiguous fp32, K a multiple of 16");
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const int64_t groups = K / group_size;
@@ -149,6 +192,8 @@ at::Tensor int4_bf16dot_mm(const at::Tensor& x, const at::Tensor& packed, const 
   const auto* bytes = packed.data_ptr<uint8_t>();
   const auto* params = scales_and_offsets.data_ptr<at::BFloat16>();
   auto* out_ptr = out.data_ptr<at::BFloat16>();
+  const std::vector<float> side_inputs = adapter ? adapter_inputs(x_ptr, M, K, *lora_A) : std::vector<float>();
+  const float* b_t = adapter ? lora_Bt->data_ptr<float>() : nullptr;
   const __m512i table = centred_table();
   at::parallel_for(0, N / STRIP, 1, [&](int64_t begin, int64_t end) {
     Group group;
@@ -162,17 +207,30 @@ at::Tensor int4_bf16dot_mm(const at::Tensor& x, const at::Tensor& packed, const 
         load_params(params + (g * N + strip * STRIP) * 2, scale, offset);
         multiply_rows(x_ptr, M, K, k0, group_size / 2, group, scale, offset, row_sums.data() + g, groups, acc.data());
       }
-      for (int64_t r = 0; r < M; ++r)
+      for (int64_t r = 0; r < M; ++r) {
+        __m512 c[4];
+        for (int v = 0; v < 4; ++v) c[v] = _mm512_loadu_ps(acc.data() + r * STRIP + 16 * v);
+        if (adapter) {
+          const float* block = b_t + strip * R * STRIP;  // the strip's (R, 64) part of B^T, contiguous
+          __m512 side[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t i = 0; i < R; ++i) {
+            const __m512 t = _mm512_set1_ps(side_inputs[r * R + i]);
+            for (int v = 0; v < 4; ++v) side[v] = _mm512_fmadd_ps(t, _mm512_loadu_ps(block + i * STRIP + 16 * v), side[v]);
+          }
+          for (int v = 0; v < 4; ++v) c[v] = _mm512_add_ps(c[v], side[v]);
+        }
         for (int v = 0; v < 4; ++v)
-          _mm256_storeu_si256((__m256i*)(out_ptr + r * N + strip * STRIP + 16 * v),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc.data() + r * STRIP + 16 * v)));
+          _mm256_storeu_si256((__m256i*)(out_ptr + r * N + strip * STRIP + 16 * v), (__m256i)_mm512_cvtneps_pbh(c[v]));
+      }
     }
   });
   return out;
 }
 
 TORCH_LIBRARY(draft_server, m) {
-  m.def("int4_bf16dot_mm(Tensor x, Tensor packed, Tensor scales_and_offsets, int group_size) -> Tensor");
+  m.def(
+      "int4_bf16dot_mm(Tensor x, Tensor packed, Tensor scales_and_offsets, int group_size, Tensor? lora_A=None, "
+      "Tensor? lora_Bt=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draft_server, CPU, m) { m.impl("int4_bf16dot_mm", &int4_bf16dot_mm); }

@@ -112,8 +112,18 @@ class LoRALinear(nn.Module):
         self.base = base
         self.lora_A = nn.Parameter(lora_A.float(), requires_grad=False)  # (r, in), fp32 whatever the model's dtype
         self.lora_B = nn.Parameter(lora_B.float() * scale, requires_grad=False)  # (out, r), the scale folded in
+        # B^T in int4-bf16dot's blocks of 64 outputs, (out/64, r, 64), for a base layer that adds the side itself.
+        blocks = self.lora_B.detach().t().reshape(lora_B.shape[1], -1, 64) if lora_B.shape[0] % 64 == 0 else None
+        self.register_buffer(
+            "lora_Bt", None if blocks is None else blocks.transpose(0, 1).contiguous(), persistent=False
+        )
 
     def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        if isinstance(self.base, Int4Linear) and self.base.fuses_lora:
+            # int4-bf16dot adds the side product to each kernel row before rounding it; complete chunks merge
+            # the adapter into their unpacked weight as below.
+            lora, side = (self.lora_A, self.lora_B), (self.lora_A, self.lora_Bt)
+            return self.base(x, dense_rows, lora=lora, side=side)
         if dense_rows and isinstance(self.base, Int4Linear) and self.base.dense_prefill:
             # A complete chunk's rows multiply an unpacked weight anyway: the adapter is merged into it (once
             # per call, not per row), which costs a prefill far less than side matmuls over every row.

@@ -116,6 +116,26 @@ def test_int4_bf16dot_computes_the_dequantized_product():
         assert torch.equal(alone, fast), f"group {group}: one thread and two differ"
 
 
+def test_int4_bf16dot_adds_a_lora_side_product_to_each_row_on_its_own():
+    """A LoRA adapter beside an int4-bf16dot layer rides in the kernel: each row's result is its own (alone
+    against among 1-17 others), and equals the INT4 product plus x A^T B^T up to the bf16 rounding."""
+    if not available("int4-bf16dot"):
+        pytest.skip(f"int4-bf16dot is not available: this CPU has {int4.cpu_description()}")
+    layer = random_int4_layer(576, 960, seed=11)
+    layer.use_cpu_kernel("int4-bf16dot")
+    generator = torch.Generator().manual_seed(12)
+    lora_A, lora_B = torch.randn(48, 576, generator=generator) * 0.05, torch.randn(960, 48, generator=generator) * 0.05
+    adapted = transformer.LoRALinear(layer, lora_A, lora_B, scale=2.0)
+    assert layer.fuses_lora
+    assert_rows_independent(lambda x: adapted(x.to(torch.bfloat16)), 576, seed=13)
+    x = torch.randn(9, 576, generator=generator).to(torch.bfloat16)
+    naive = x.float() @ (layer.dense_weight(dtype=torch.float32) + 2.0 * lora_B @ lora_A).t()
+    torch.testing.assert_close(adapted(x).float(), naive, rtol=2**-7, atol=2**-7 * naive.abs().max().item())
+    with pytest.raises(RuntimeError, match="does not add a LoRA side product"):
+        layer.use_cpu_kernel("int4pack")
+        layer.kernel(x, (adapted.lora_A, adapted.lora_Bt))
+
+
 def test_auto_takes_dense_bf16_where_amx_multiplies_bf16_then_int4_bf16dot_then_int4pack(monkeypatch):
     monkeypatch.setattr(int4, "bf16dot_build_problem", lambda: None)
     monkeypatch.setattr(int4, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
