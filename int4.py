@@ -198,8 +198,8 @@ CPU_KERNELS = {
         torch.bfloat16,
         ("avx512_bf16",),
         "this project's INT4 kernel (int4_bf16dot.cpp, built at first use): 4-bit weights unpacked once per call "
-        "for all its rows and multiplied with AVX512-BF16 dot products, so a batch's rows cost little more than one; "
-        "a prefill's complete chunks as int4pack",
+        "for all its rows and multiplied with AVX512-BF16 dot products, so a batch's rows cost little more than one, "
+        "a LoRA adapter's side product added inside; a prefill's complete chunks as int4pack",
     ),
     "dense-bf16": CpuKernel(
         "dequant",

@@ -112,14 +112,17 @@ class LoRALinear(nn.Module):
         self.base = base
         self.lora_A = nn.Parameter(lora_A.float(), requires_grad=False)  # (r, in), fp32 whatever the model's dtype
         self.lora_B = nn.Parameter(lora_B.float() * scale, requires_grad=False)  # (out, r), the scale folded in
-        # B^T in int4-bf16dot's blocks of 64 outputs, (out/64, r, 64), for a base layer that adds the side itself.
-        blocks = self.lora_B.detach().t().reshape(lora_B.shape[1], -1, 64) if lora_B.shape[0] % 64 == 0 else None
-        self.register_buffer(
-            "lora_Bt", None if blocks is None else blocks.transpose(0, 1).contiguous(), persistent=False
-        )
+        self.register_buffer("lora_Bt", None, persistent=False)  # B^T for a base that adds the side: prepare_fused_side
+
+    def prepare_fused_side(self) -> None:
+        """Lay B^T out as int4-bf16dot takes it, (out/64, r, 64), where the base layer adds the side product
+        itself (Int4Linear.fuses_lora; Transformer.use_cpu_int4_kernel calls this); else keep none."""
+        fuses = isinstance(self.base, Int4Linear) and self.base.fuses_lora
+        blocks = self.lora_B.t().reshape(self.lora_B.shape[1], -1, 64).transpose(0, 1).contiguous() if fuses else None
+        self.lora_Bt = blocks
 
     def forward(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
-        if isinstance(self.base, Int4Linear) and self.base.fuses_lora:
+        if self.lora_Bt is not None:
             # int4-bf16dot adds the side product to each kernel row before rounding it; complete chunks merge
             # the adapter into their unpacked weight as below.
             lora, side = (self.lora_A, self.lora_B), (self.lora_A, self.lora_Bt)
@@ -430,6 +433,9 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Int4Linear):
                 module.use_cpu_kernel(name)
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.prepare_fused_side()
 
     def use_query_kernel(self, on: bool) -> None:
         """Attend a decode step's and a prefill tail's queries with attention_kernel's CPU kernel (on) or with

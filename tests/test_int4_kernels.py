@@ -126,7 +126,8 @@ def test_int4_bf16dot_adds_a_lora_side_product_to_each_row_on_its_own():
     generator = torch.Generator().manual_seed(12)
     lora_A, lora_B = torch.randn(48, 576, generator=generator) * 0.05, torch.randn(960, 48, generator=generator) * 0.05
     adapted = transformer.LoRALinear(layer, lora_A, lora_B, scale=2.0)
-    assert layer.fuses_lora
+    adapted.prepare_fused_side()
+    assert layer.fuses_lora and adapted.lora_Bt is not None
     assert_rows_independent(lambda x: adapted(x.to(torch.bfloat16)), 576, seed=13)
     x = torch.randn(9, 576, generator=generator).to(torch.bfloat16)
     naive = x.float() @ (layer.dense_weight(dtype=torch.float32) + 2.0 * lora_B @ lora_A).t()
