@@ -8,15 +8,11 @@ rule: a query's result depends only on its own keys.
 """
 
 import functools
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from int4 import cpu_flags
-
-log = logging.getLogger(__name__)
+from int4 import build_cpu_kernel, cpu_flags
 
 ATTENTION_KERNELS = ("auto", "query-kernel", "torch")  # what draft_model.load_model's attention_kernel takes
 SOURCE = Path(__file__).with_name("query_attention.cpp")
@@ -27,18 +23,9 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f"]
 
 @functools.cache
 def build_problem() -> str | None:
-    """Build and load the kernel (a C++ compiler and ninja; seconds, then torch's extension cache). Why it
-    cannot, or None."""
-    from torch.utils import cpp_extension
-
-    try:
-        cpp_extension.load("draft_server_query_attention", [str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
-    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
-        problem = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        log.warning("the query-attention kernel could not be built, PyTorch's operators attend instead: %s", problem)
-        return problem
-    torch.library.register_fake("draft_server_attention::query_attention")(_output_shape)
-    return None
+    """Build and load the kernel (int4.build_cpu_kernel). Why it cannot, or None."""
+    fake = {"draft_server_attention::query_attention": _output_shape}
+    return build_cpu_kernel("query-attention", "draft_server_query_attention", SOURCE, CFLAGS, "PyTorch attends", fake)
 
 
 def _output_shape(q, keys, values, slots, positions):

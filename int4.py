@@ -218,22 +218,31 @@ BF16DOT_SOURCE = Path(__file__).with_name("int4_bf16dot.cpp")
 BF16DOT_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 
-@functools.cache
-def bf16dot_build_problem() -> str | None:
-    """Build and load the int4-bf16dot kernel (torch.utils.cpp_extension: a C++ compiler and ninja; the first
-    build takes about ten seconds, later processes reuse torch's extension cache). Why it cannot, or None."""
+def build_cpu_kernel(kernel: str, name: str, source: Path, cflags: list[str], fallback: str, fake: dict) -> str | None:
+    """Build and load one of this project's C++ CPU kernels (torch.utils.cpp_extension: a C++ compiler and ninja;
+    the first build takes seconds, later processes reuse torch's extension cache) and register the output shapes
+    of its operators for torch.compile (`fake`: operator name -> function). Why it cannot (warned once, naming the
+    `fallback` that serves instead), or None. kernel: its name for people; name: the extension's."""
     from torch.utils import cpp_extension
 
     try:
-        cpp_extension.load(
-            "draft_server_int4_bf16dot", [str(BF16DOT_SOURCE)], extra_cflags=BF16DOT_CFLAGS, is_python_module=False
-        )
+        cpp_extension.load(name, [str(source)], extra_cflags=cflags, is_python_module=False)
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
         problem = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        log.warning("the int4-bf16dot kernel could not be built, int4pack serves instead: %s", problem)
+        log.warning("the %s kernel could not be built, %s instead: %s", kernel, fallback, problem)
         return problem
-    torch.library.register_fake("draft_server::int4_bf16dot_mm")(_bf16dot_shape)
+    for operator, shape in fake.items():
+        torch.library.register_fake(operator)(shape)
     return None
+
+
+@functools.cache
+def bf16dot_build_problem() -> str | None:
+    """Build and load the int4-bf16dot kernel (build_cpu_kernel). Why it cannot, or None."""
+    fake = {"draft_server::int4_bf16dot_mm": _bf16dot_shape}
+    return build_cpu_kernel(
+        "int4-bf16dot", "draft_server_int4_bf16dot", BF16DOT_SOURCE, BF16DOT_CFLAGS, "int4pack serves", fake
+    )
 
 
 def _bf16dot_shape(x, packed, scales_and_offsets, group_size, lora_A=None, lora_Bt=None):

@@ -177,7 +177,10 @@ def main(argv: list[str] | None = None) -> dict:
             **compiled,
         )
         name = drafter.kernel()["name"]
-        print(f"{mode}: weights {drafter.weights}, dtype {drafter.dtype}, kernel {name}, {drafter.num_layers} layers")
+        attention = drafter.kernel()["attention"]
+        print(
+            f"{mode}: weights {drafter.weights}, dtype {drafter.dtype}, kernel {name}, attention {attention}, {drafter.num_layers} layers"
+        )
         for batch in args.batch:
             row = {"mode": mode, "kernel": name} | measure(drafter, args, batch)
             results["rows"].append(row)
