@@ -76,21 +76,31 @@ def test_threads_and_what_lies_past_each_query_change_nothing():
             assert torch.equal(alone[0, 0], one[row, t]), f"row {row}, query {t}"
 
 
-def test_it_computes_softmax_attention_as_block_attention_does():
+# (query heads, kv heads, head_dim): the tests' shape, SmolLM2-135M's, Qwen3-1.7B's (the Qwen3-8B drafter), no
+# GQA, and a group of 8.
+SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (9, 3, 64), (16, 8, 128), (4, 4, 128), (32, 4, 128)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
+def test_it_computes_softmax_attention_as_block_attention_does(heads, kv_heads, head_dim):
     kernel_or_skip()
-    keys, values = random_cache(seed=3)
-    q, slots, positions = random_queries(4, 9, seed=4)
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    shape = (SLOTS, kv_heads, CAPACITY, head_dim)
+    keys, values = ((torch.randn(shape, generator=generator) * 2).bfloat16() for _ in range(2))
+    q = (torch.randn(4, 9, heads, head_dim, generator=generator) * 2).bfloat16()
+    slots = torch.randperm(SLOTS, generator=generator)[:4]
+    positions = torch.randint(0, CAPACITY - 64, (4, 9), generator=generator)
     ours = attention_kernel.query_attention(q, keys, values, slots, positions).double()
     window = CAPACITY - 64
     theirs = transformer.block_attention(q, keys[slots, :, :window], values[slots, :, :window], positions).double()
     exact = torch.empty_like(ours)
-    group = HEADS // KV_HEADS
+    group = heads // kv_heads
     for row, slot in enumerate(slots.tolist()):
         for t, position in enumerate(positions[row].tolist()):
-            for head in range(HEADS):
+            for head in range(heads):
                 k = keys[slot, head // group, : position + 1].double()
                 v = values[slot, head // group, : position + 1].double()
-                weights = torch.softmax(k @ q[row, t, head].double() / HEAD_DIM**0.5, dim=0)
+                weights = torch.softmax(k @ q[row, t, head].double() / head_dim**0.5, dim=0)
                 exact[row, t, head] = weights @ v
     bf16_step = exact.abs().clamp(min=2**-8) * 2**-7  # one bf16 rounding of the result
     assert ((ours - exact).abs() <= bf16_step).all()
