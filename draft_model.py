@@ -65,7 +65,8 @@ def load_model(
     (attention_kernel.ATTENTION_KERNELS); auto: the CPU kernel on a CPU with AVX512F in bf16, else PyTorch's.
     cache_slots: prefix-cache slots (a call uses planning.SLOTS_PER_ROW per row). max_context: tokens per
     slot, default the model's max_position_embeddings capped at planning.DEFAULT_MAX_CONTEXT. LoRA is merged into dense weights by default
-    and always kept as side matmuls beside packed ones (use_lora=False ignores the adapter).
+    and always kept beside packed ones: side matmuls, or added inside the int4-bf16dot kernel (use_lora=False
+    ignores the adapter).
     quantize_lm_head: on the packed path, also round the lm_head to INT4 at load (faster decode
     steps; measure its effect on tau). verify_integrity: check a package's files against its sha256
     manifest first (a directory without one loads unverified); False is for development only.

@@ -120,7 +120,6 @@ def time_attention(shape: str, repeats: int) -> dict[str, dict[str, float]]:
         slots = torch.arange(rows)
         positions = torch.arange(CONTEXT - queries, CONTEXT).expand(rows, queries)
         label = f"M={rows}" if queries == 1 else f"tail of {queries}"
-
         where = {"keys": cache[0], "values": cache[1], "slots": slots, "positions": positions}
         figures["torch"][label] = median_ms(functools.partial(gathered_attention, window=window, **where), q, repeats)
         if attention_kernel.cpu_choice() == "query-kernel":
