@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -57,19 +58,8 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One query head: q (D) over keys and values (p + 1, D) in bf16 -> out (D) in bf16. scores: room for p + 1 floats.
-// VECTORS: D / 16 where the compiler knows it (the query and the accumulators then stay in registers), else 0.
-template <int VECTORS>
-void attend(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16* values, int64_t count, int64_t D,
-            float scale, float* scores, at::BFloat16* out) {
-  const int vectors = VECTORS ? VECTORS : D / LANES;
-  __m512 query[MAX_VECTORS];
-  for (int v = 0; v < vectors; ++v) query[v] = load_bf16(q + LANES * v);
-  for (int64_t j = 0; j < count; ++j) {
-    __m512 dot = _mm512_mul_ps(query[0], load_bf16(keys + j * D));
-    for (int v = 1; v < vectors; ++v) dot = _mm512_fmadd_ps(query[v], load_bf16(keys + j * D + LANES * v), dot);
-    scores[j] = _mm512_reduce_add_ps(dot) * scale;
-  }
+// e^(s - max s) in place over scores (count); returns their sum, each sum in one fixed order.
+inline float softmax_numerators(float* scores, int64_t count) {
   float maximum = -INFINITY;
   for (int64_t j = 0; j < count; ++j) maximum = std::max(maximum, scores[j]);
   const __m512 shift = _mm512_set1_ps(maximum);
@@ -80,15 +70,63 @@ void attend(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16*
     _mm512_mask_storeu_ps(scores + j, live, e);
     sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(live, e));
   }
-  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
-  __m512 acc[MAX_VECTORS];
-  for (int v = 0; v < vectors; ++v) acc[v] = _mm512_setzero_ps();
+  return _mm512_reduce_add_ps(sums);
+}
+
+// HEADS query heads q (HEADS, D) that share one kv head, over its keys and values (p + 1, D) in bf16 -> out
+// (HEADS, D) in bf16. Each key and value is converted once for all HEADS; each head's sums are its own, in the
+// order above. VECTORS: D / 16 where the compiler knows it (queries and accumulators then stay in registers),
+// else 0 (HEADS 1). scores: room for HEADS x (p + 1) floats.
+template <int VECTORS, int HEADS>
+void attend(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16* values, int64_t count, int64_t D,
+            float scale, float* scores, at::BFloat16* out) {
+  constexpr int SLOTS = VECTORS ? VECTORS : MAX_VECTORS;
+  const int vectors = VECTORS ? VECTORS : D / LANES;
+  __m512 query[HEADS][SLOTS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int v = 0; v < vectors; ++v) query[h][v] = load_bf16(q + h * D + LANES * v);
   for (int64_t j = 0; j < count; ++j) {
-    const __m512 weight = _mm512_set1_ps(scores[j]);
-    for (int v = 0; v < vectors; ++v) acc[v] = _mm512_fmadd_ps(weight, load_bf16(values + j * D + LANES * v), acc[v]);
+    __m512 key[SLOTS];
+    for (int v = 0; v < vectors; ++v) key[v] = load_bf16(keys + j * D + LANES * v);
+    for (int h = 0; h < HEADS; ++h) {
+      __m512 dot = _mm512_mul_ps(query[h][0], key[0]);
+      for (int v = 1; v < vectors; ++v) dot = _mm512_fmadd_ps(query[h][v], key[v], dot);
+      scores[h * count + j] = _mm512_reduce_add_ps(dot) * scale;
+    }
   }
-  for (int v = 0; v < vectors; ++v)
-    _mm256_storeu_si256((__m256i*)(out + LANES * v), to_bf16(_mm512_div_ps(acc[v], total)));
+  float totals[HEADS];
+  for (int h = 0; h < HEADS; ++h) totals[h] = softmax_numerators(scores + h * count, count);
+  __m512 acc[HEADS][SLOTS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int v = 0; v < vectors; ++v) acc[h][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 weight[HEADS];
+    for (int h = 0; h < HEADS; ++h) weight[h] = _mm512_set1_ps(scores[h * count + j]);
+    for (int v = 0; v < vectors; ++v) {
+      const __m512 value = load_bf16(values + j * D + LANES * v);
+      for (int h = 0; h < HEADS; ++h) acc[h][v] = _mm512_fmadd_ps(weight[h], value, acc[h][v]);
+    }
+  }
+  for (int h = 0; h < HEADS; ++h)
+    for (int v = 0; v < vectors; ++v)
+      _mm256_storeu_si256((__m256i*)(out + h * D + LANES * v),
+                          to_bf16(_mm512_div_ps(acc[h][v], _mm512_set1_ps(totals[h]))));
+}
+
+using Attend = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, float,
+                        float*, at::BFloat16*);
+
+// The instance for head_dim D that takes the most heads of a kv group at once with its queries and accumulators
+// in 32 registers, and how many heads that is.
+std::pair<Attend, int64_t> choose_attend(int64_t D, int64_t group) {
+  if (D == 64) {
+    if (group % 4 == 0) return {attend<4, 4>, 4};
+    if (group % 3 == 0) return {attend<4, 3>, 3};
+    if (group % 2 == 0) return {attend<4, 2>, 2};
+    return {attend<4, 1>, 1};
+  }
+  if (D == 128) return group % 2 == 0 ? std::pair<Attend, int64_t>{attend<8, 2>, 2} : std::pair<Attend, int64_t>{attend<8, 1>, 1};
+  return {attend<0, 1>, 1};
 }
 
 }  // namespace
@@ -120,14 +158,15 @@ at::Tensor query_attention(const at::Tensor& q, const at::Tensor& keys, const at
   const auto* value_ptr = values.data_ptr<at::BFloat16>();
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, G * T * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(C);
+  const auto [heads_at_once, at_once] = choose_attend(D, H / H_kv);
+  const int64_t tasks = G * T * H / at_once;  // each: at_once query heads of one query, sharing a kv head
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(at_once * C);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % H, query = task / H, g = query / T;
+      const int64_t h = task * at_once % H, query = task * at_once / H, g = query / T;
       const int64_t kv = (slot_ptr[g] * H_kv + h / (H / H_kv)) * C * D;
-      const auto head = D == 64 ? attend<4> : D == 128 ? attend<8> : attend<0>;  // the same sums in the same order
-      head(q_ptr + task * D, key_ptr + kv, value_ptr + kv, position_ptr[query] + 1, D, scale, scores.data(),
-           out_ptr + task * D);
+      heads_at_once(q_ptr + task * at_once * D, key_ptr + kv, value_ptr + kv, position_ptr[query] + 1, D, scale,
+                    scores.data(), out_ptr + task * at_once * D);
     }
   });
   return out;
