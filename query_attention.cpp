@@ -3,11 +3,12 @@
 // is the same computation in PyTorch operators; this one reads each row's bf16 keys and values in place (no
 // gather of the window, no fp32 copy of it) and skips the keys past the query.
 //
-// One query head at a time, in fp32:
+// For each query head, in fp32:
 //
 //     s_j = (q . k_j) / sqrt(D)  for j = 0..p (p: the query's position),  out = sum_j e^(s_j - max s) v_j / sum_j e^(s_j - max s)
 //
-// Every sum runs over d or j in one fixed order, and a query head is one task of one thread, so its result
+// Every sum runs over d or j in one fixed order, and a query head is computed by one thread (beside the heads
+// that share its kv head, which share the conversion of each key and value but none of the sums), so its result
 // depends only on its own vector and its sequence's keys 0..p: not on the other rows, queries or heads of the
 // call, not on the number of threads, not on how far the cache was written past p.
 //
