@@ -63,13 +63,10 @@ class KVCache:
         self.keys[layer][slots, :, positions] = k
         self.values[layer][slots, :, positions] = v
 
-    def window(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (B, H_kv, length, D) keys and values at positions 0..length-1 of each of `slots` (B,)."""
+    def window(self, layer: int, slots: torch.Tensor | int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values at positions 0..length-1 of each of `slots` (B,), (B, H_kv, length, D) copies, or
+        of one slot given as an int, (H_kv, length, D) views."""
         return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]
-
-    def slot_window(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (H_kv, length, D) keys and values at positions 0..length-1 of one slot, as views."""
-        return self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length]
 
     def longest_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """(slot, length) of the longest common prefix between `tokens` and any slot; newest slot on ties."""

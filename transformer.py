@@ -367,9 +367,9 @@ class Attention(nn.Module):
         else:
             out = torch.empty_like(q)
             for segment, mask in zip(plan.segments, plan.masks):
-                keys, values = cache.slot_window(layer, segment.slot, segment.window)  # views: no copy
                 queries = q[segment.start : segment.stop]  # (T, H, D)
                 if segment.complete_chunk:
+                    keys, values = cache.window(layer, segment.slot, segment.window)  # views of the slot: no copy
                     out[segment.start : segment.stop] = chunk_attention(queries, keys, values, mask)
                 else:
                     slots = plan.write_slots[segment.start : segment.start + 1]
