@@ -1,10 +1,11 @@
-"""The CPU attention kernel for a few queries per sequence (query_attention.cpp): its build, and the choice.
+"""The CPU attention kernels (query_attention.cpp): their build, and the choice.
 
 A decode step, and a prefill's last incomplete chunk, attend a few queries per row over keys that lie in
 the KV cache. In PyTorch operators (transformer.block_attention) that means gathering each row's window of
 keys and values, converting it to fp32 and masking what lies past each query; for a batch of rows that is
-most of a decode step. The kernel reads the bf16 cache in place instead, with the same fp32 math and the same
-rule: a query's result depends only on its own keys.
+most of a decode step. query_attention reads the bf16 cache in place instead, with the same fp32 math and the
+same rule: a query's result depends only on its own keys. A prefill's complete chunks take chunk_attention,
+which shares each key among a chunk's 64 queries, in place of the flash kernel (SDPA) and its mask.
 """
 
 import functools
@@ -17,6 +18,7 @@ from int4 import build_cpu_kernel, cpu_flags
 ATTENTION_KERNELS = ("auto", "query-kernel", "torch")  # what draft_model.load_model's attention_kernel takes
 SOURCE = Path(__file__).with_name("query_attention.cpp")
 NEEDS = "avx512f"
+CHUNK_NEEDS = "avx512_bf16"  # chunk_attention's dot products; without it, complete chunks take query_attention
 # Compiled for AVX512F whatever the build machine has; it runs only where cpu_flags() has it.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f"]
 
@@ -24,12 +26,12 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f"]
 @functools.cache
 def build_problem() -> str | None:
     """Build and load the kernel (int4.build_cpu_kernel). Why it cannot, or None."""
-    fake = {"draft_server_attention::query_attention": _output_shape}
+    fake = {f"draft_server_attention::{op}": _output_shape for op in ("query_attention", "chunk_attention")}
     return build_cpu_kernel("query-attention", "draft_server_query_attention", SOURCE, CFLAGS, "PyTorch attends", fake)
 
 
 def _output_shape(q, keys, values, slots, positions):
-    """query_attention's output, for torch.compile's tracing: q's shape."""
+    """The kernels' output, for torch.compile's tracing: q's shape."""
     return torch.empty_like(q)
 
 
@@ -53,9 +55,22 @@ def wants_query_kernel(name: str, device: torch.device, dtype: torch.dtype) -> b
     return why_not is None
 
 
+def wants_chunk_kernel(query_kernel: bool) -> bool:
+    """Do a prefill's complete chunks take chunk_attention? Where the query kernel runs and the CPU has
+    AVX512-BF16; else they take query_attention where it runs, and SDPA where it does not."""
+    return query_kernel and CHUNK_NEEDS in cpu_flags()
+
+
+def attention_name(query_kernel: bool, chunk_kernel: bool) -> str:
+    """The attention a model runs, by name: query-kernel+chunk-kernel, query-kernel (for complete chunks too) or
+    torch (block_attention, and SDPA for complete chunks)."""
+    return "query-kernel+chunk-kernel" if chunk_kernel else "query-kernel" if query_kernel else "torch"
+
+
 def cpu_choice() -> str:
-    """What auto attends with in a bf16 model on this CPU, by name: query-kernel or torch (benchmarks print it)."""
-    return "query-kernel" if wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16) else "torch"
+    """What auto attends with in a bf16 model on this CPU, by name (benchmarks print it)."""
+    query_kernel = wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16)
+    return attention_name(query_kernel, wants_chunk_kernel(query_kernel))
 
 
 def query_attention(
@@ -63,4 +78,17 @@ def query_attention(
 ) -> torch.Tensor:
     """q (G, T, H, D) at positions (G, T) of cache slots (G,), over a layer's cache keys, values (S, H_kv, C, D)
     -> (G, T, H, D), as transformer.block_attention computes it from the gathered window."""
-    return torch.ops.draft_server_attention.query_attention(q.contiguous(), keys, values, slots, positions)
+    return torch.ops.draft_server_attention.query_attention(
+        q.contiguous(), keys, values, slots.contiguous(), positions.contiguous()
+    )
+
+
+def chunk_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Complete chunks' queries q (G, CHUNK, H, D) at positions (G, CHUNK) of cache slots (G,), over a layer's
+    cache keys, values (S, H_kv, C, D) -> (G, CHUNK, H, D): query_attention's computation with each chunk's keys
+    shared by its queries, its sums over q . k in another order (so other bits)."""
+    return torch.ops.draft_server_attention.chunk_attention(
+        q.contiguous(), keys, values, slots.contiguous(), positions.contiguous()
+    )

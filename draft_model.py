@@ -20,7 +20,7 @@ import torch
 
 import engine
 import int4
-from attention_kernel import wants_query_kernel
+from attention_kernel import attention_name, wants_chunk_kernel, wants_query_kernel
 from checkpoint import LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
@@ -61,8 +61,9 @@ def load_model(
     device: cuda when available, else cpu. weights: "packed" keeps GPTQ linears at 4 bits and
     multiplies with an INT4 kernel (bf16); "dequant" expands them to dense weights; "auto" packs whenever a
     kernel can run. int4_kernel: the packed CPU kernel (int4.PACKED_CPU_KERNELS); auto: int4.packed_cpu_kernel.
-    dtype: bf16 when packed or on cuda, else fp32. attention_kernel: how a decode step's queries attend
-    (attention_kernel.ATTENTION_KERNELS); auto: the CPU kernel on a CPU with AVX512F in bf16, else PyTorch's.
+    dtype: bf16 when packed or on cuda, else fp32. attention_kernel: how queries attend
+    (attention_kernel.ATTENTION_KERNELS); auto: the CPU kernels on a CPU with AVX512F in bf16 (chunk_attention
+    for complete chunks where it also has AVX512-BF16), else PyTorch's.
     cache_slots: prefix-cache slots (a call uses planning.SLOTS_PER_ROW per row). max_context: tokens per
     slot, default the model's max_position_embeddings capped at planning.DEFAULT_MAX_CONTEXT. LoRA is merged into dense weights by default
     and always kept beside packed ones: side matmuls, or added inside the int4-bf16dot kernel (use_lora=False
@@ -97,7 +98,8 @@ def load_model(
         )
     device, dtype = loaded.model.norm.weight.device, loaded.model.norm.weight.dtype
     try:
-        loaded.model.use_query_kernel(wants_query_kernel(attention_kernel, device, dtype))
+        query_kernel = wants_query_kernel(attention_kernel, device, dtype)
+        loaded.model.use_attention_kernels(query_kernel, wants_chunk_kernel(query_kernel))
     except ValueError as error:
         raise ModelLoadError(str(error)) from None
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_slots, context, device, dtype)
@@ -186,10 +188,12 @@ class Drafter:
 
     def kernel(self) -> dict:
         """How the model's linear layers multiply: the kernel's name (int4.CPU_KERNELS on the CPU), what it
-        does, and on the CPU the instruction sets it was chosen for; how a decode step attends (attention:
-        query-kernel, attention_kernel's CPU kernel, or torch, transformer.block_attention)."""
+        does, and on the CPU the instruction sets it was chosen for; how the model attends (attention:
+        attention_kernel.attention_name)."""
         dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
-        attention = "query-kernel" if self.model.layers[0].self_attn.query_kernel else "torch"
+        attention = attention_name(
+            self.model.layers[0].self_attn.query_kernel, self.model.layers[0].self_attn.chunk_kernel
+        )
         if self.device.type != "cpu":
             name = "cuda-int4" if self.weights == "packed" else f"dense-{dtype}"
             return {"name": name, "what": f"on {self.device.type}", "attention": attention}

@@ -1,27 +1,35 @@
-// Causal attention of a few queries per sequence over the KV cache as it lies, for CPUs with AVX512F: a decode
-// step's one query per row, or the queries of a prefill's last, incomplete chunk. transformer.block_attention
-// is the same computation in PyTorch operators; this one reads each row's bf16 keys and values in place (no
-// gather of the window, no fp32 copy of it) and skips the keys past the query.
+// Causal attention over the KV cache as it lies, in two kernels:
 //
-// For each query head, in fp32:
+// * query_attention: a few queries per sequence, a decode step's one query per row or the queries of a
+//   prefill's last, incomplete chunk. transformer.block_attention is the same computation in PyTorch operators;
+//   this one reads each row's bf16 keys and values in place (no gather of the window, no fp32 copy of it) and
+//   skips the keys past the query. For CPUs with AVX512F.
+// * chunk_attention: the 64 queries of each complete chunk of a prefill, in place of the flash kernel (SDPA).
+//   The queries of a chunk share every key, so the keys are laid out once per chunk and kv head with 16 keys per
+//   vector, and each query's scores come out 16 keys at a time by AVX512-BF16's dot product of bf16 pairs, with
+//   no horizontal sums and no conversion. For CPUs with AVX512-BF16.
+//
+// For each query head, in fp32 (the products of bf16 values are exact in fp32):
 //
 //     s_j = (q . k_j) / sqrt(D)  for j = 0..p (p: the query's position),  out = sum_j e^(s_j - max s) v_j / sum_j e^(s_j - max s)
 //
 // Every sum runs over d or j in one fixed order, and a query head is computed by one thread (beside the heads
-// that share its kv head, which share the conversion of each key and value but none of the sums), so its result
-// depends only on its own vector and its sequence's keys 0..p: not on the other rows, queries or heads of the
-// call, not on the number of threads, not on how far the cache was written past p.
+// or queries that share its kv head, which share the conversion of each key and value but none of the sums), so
+// its result depends only on its own vector and its sequence's keys 0..p: not on the other rows, queries or
+// heads of the call, not on the number of threads, not on how far the cache was written past p. The two kernels
+// sum q . k_j in different orders (in 16-lane parts then across them; along d), so their bits differ: a token
+// takes one or the other by its place in its sequence (planning.py), never by its batch.
 //
 // Built at first use by attention_kernel.py (torch.utils.cpp_extension) and registered as
-// draft_server_attention::query_attention.
+// draft_server_attention::query_attention and draft_server_attention::chunk_attention.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -74,10 +82,35 @@ inline float softmax_numerators(float* scores, int64_t count) {
   return _mm512_reduce_add_ps(sums);
 }
 
+// The weighted values of HEADS query heads that share one kv head, from their softmax numerators (scores, row h
+// at h * stride, keys 0..count-1; sums in totals) and the keys' values (count, D) in bf16 -> out (HEADS, D) in
+// bf16. Each value is converted once for all HEADS; each head's sum runs over j in order.
+template <int VECTORS, int HEADS>
+void weighted_values(const float* scores, int64_t stride, const float* totals, const at::BFloat16* values,
+                     int64_t count, int64_t D, at::BFloat16* out) {
+  constexpr int SLOTS = VECTORS ? VECTORS : MAX_VECTORS;
+  const int vectors = VECTORS ? VECTORS : D / LANES;
+  __m512 acc[HEADS][SLOTS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int v = 0; v < vectors; ++v) acc[h][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 weight[HEADS];
+    for (int h = 0; h < HEADS; ++h) weight[h] = _mm512_set1_ps(scores[h * stride + j]);
+    for (int v = 0; v < vectors; ++v) {
+      const __m512 value = load_bf16(values + j * D + LANES * v);
+      for (int h = 0; h < HEADS; ++h) acc[h][v] = _mm512_fmadd_ps(weight[h], value, acc[h][v]);
+    }
+  }
+  for (int h = 0; h < HEADS; ++h)
+    for (int v = 0; v < vectors; ++v)
+      _mm256_storeu_si256((__m256i*)(out + h * D + LANES * v),
+                          to_bf16(_mm512_div_ps(acc[h][v], _mm512_set1_ps(totals[h]))));
+}
+
 // HEADS query heads q (HEADS, D) that share one kv head, over its keys and values (p + 1, D) in bf16 -> out
-// (HEADS, D) in bf16. Each key and value is converted once for all HEADS; each head's sums are its own, in the
-// order above. VECTORS: D / 16 where the compiler knows it (queries and accumulators then stay in registers),
-// else 0 (HEADS 1). scores: room for HEADS x (p + 1) floats.
+// (HEADS, D) in bf16: query_attention's work for one query. Each key is converted once for all HEADS; each
+// head's sums are its own, in the order above. VECTORS: D / 16 where the compiler knows it (queries and
+// accumulators then stay in registers), else 0 (HEADS 1). scores: room for HEADS x (p + 1) floats.
 template <int VECTORS, int HEADS>
 void attend(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16* values, int64_t count, int64_t D,
             float scale, float* scores, at::BFloat16* out) {
@@ -97,37 +130,117 @@ void attend(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16*
   }
   float totals[HEADS];
   for (int h = 0; h < HEADS; ++h) totals[h] = softmax_numerators(scores + h * count, count);
-  __m512 acc[HEADS][SLOTS];
-  for (int h = 0; h < HEADS; ++h)
-    for (int v = 0; v < vectors; ++v) acc[h][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < count; ++j) {
-    __m512 weight[HEADS];
-    for (int h = 0; h < HEADS; ++h) weight[h] = _mm512_set1_ps(scores[h * count + j]);
-    for (int v = 0; v < vectors; ++v) {
-      const __m512 value = load_bf16(values + j * D + LANES * v);
-      for (int h = 0; h < HEADS; ++h) acc[h][v] = _mm512_fmadd_ps(weight[h], value, acc[h][v]);
+  weighted_values<VECTORS, HEADS>(scores, count, totals, values, count, D, out);
+}
+
+constexpr int TILE_KEYS = 4 * LANES;  // keys per tile of a chunk's scores: 4 vectors per head
+
+// A chunk's keys 0..count-1 (count, D) in bf16 -> (D / 2, stride) 32-bit words: word (i, j) holds key j's
+// elements 2i and 2i + 1, the pairs AVX512-BF16's dot product takes, so that a vector holds 16 keys; keys
+// count..stride-1 (stride: a multiple of TILE_KEYS) are zero.
+void pair_keys(const at::BFloat16* keys, int64_t count, int64_t D, int64_t stride, uint32_t* out) {
+  const auto* words = reinterpret_cast<const uint32_t*>(keys);
+  for (int64_t i = 0; i < D / 2; ++i) std::fill(out + i * stride + count, out + (i + 1) * stride, 0u);
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t i = 0; i < D / 2; ++i) out[i * stride + j] = words[j * D / 2 + i];
+}
+
+// The scores of HEADS query heads q (HEADS, D) in bf16 over the paired keys (D / 2, stride), TILE_KEYS keys at a
+// time: lane j sums the exact fp32 products q[d] k_j[d] a pair of d at a time, in order of d (vdpbf16ps; its
+// sums round to nearest even, denormals flushed). Keys past `count` within the last tile are scored, never used.
+// scores: row h at h * stride.
+template <int HEADS>
+__attribute__((target("avx512f,avx512bf16"))) void chunk_scores(const at::BFloat16* q, const uint32_t* pairs,
+                                                                 int64_t stride, int64_t count, int64_t D,
+                                                                 float scale, float* scores) {
+  constexpr int KEY_VECTORS = TILE_KEYS / LANES;
+  const auto* q_pairs = reinterpret_cast<const uint32_t*>(q);
+  for (int64_t j0 = 0; j0 < count; j0 += TILE_KEYS) {
+    __m512 acc[HEADS][KEY_VECTORS];
+    for (int h = 0; h < HEADS; ++h)
+      for (int k = 0; k < KEY_VECTORS; ++k) acc[h][k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D / 2; ++i) {
+      __m512bh key[KEY_VECTORS];
+      for (int k = 0; k < KEY_VECTORS; ++k)
+        key[k] = (__m512bh)_mm512_loadu_si512(pairs + i * stride + j0 + k * LANES);
+      for (int h = 0; h < HEADS; ++h) {
+        const __m512bh element = (__m512bh)_mm512_set1_epi32(q_pairs[h * D / 2 + i]);
+        for (int k = 0; k < KEY_VECTORS; ++k) acc[h][k] = _mm512_dpbf16_ps(acc[h][k], element, key[k]);
+      }
     }
+    for (int h = 0; h < HEADS; ++h)
+      for (int k = 0; k < KEY_VECTORS; ++k)
+        _mm512_storeu_ps(scores + h * stride + j0 + k * LANES, _mm512_mul_ps(acc[h][k], _mm512_set1_ps(scale)));
   }
-  for (int h = 0; h < HEADS; ++h)
-    for (int v = 0; v < vectors; ++v)
-      _mm256_storeu_si256((__m256i*)(out + h * D + LANES * v),
-                          to_bf16(_mm512_div_ps(acc[h][v], _mm512_set1_ps(totals[h]))));
+}
+
+// chunk_attention's work for one query: HEADS query heads q (HEADS, D) over the paired keys (D / 2, stride) and
+// the values (p + 1, D) in bf16 -> out (HEADS, D) in bf16. scores: room for HEADS x stride floats.
+template <int VECTORS, int HEADS>
+void attend_chunk(const at::BFloat16* q, const uint32_t* pairs, int64_t stride, const at::BFloat16* values,
+                  int64_t count, int64_t D, float scale, float* scores, at::BFloat16* out) {
+  chunk_scores<HEADS>(q, pairs, stride, count, D, scale, scores);
+  float totals[HEADS];
+  for (int h = 0; h < HEADS; ++h) totals[h] = softmax_numerators(scores + h * stride, count);
+  weighted_values<VECTORS, HEADS>(scores, stride, totals, values, count, D, out);
 }
 
 using Attend = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, float,
                         float*, at::BFloat16*);
+using AttendChunk = void (*)(const at::BFloat16*, const uint32_t*, int64_t, const at::BFloat16*, int64_t, int64_t,
+                             float, float*, at::BFloat16*);
 
-// The instance for head_dim D that takes the most heads of a kv group at once with its queries and accumulators
-// in 32 registers, and how many heads that is.
-std::pair<Attend, int64_t> choose_attend(int64_t D, int64_t group) {
+// The instances for one head shape, and how many heads of a kv group each takes at once.
+struct Instances {
+  Attend query;
+  AttendChunk chunk;
+  int64_t heads;
+};
+
+template <int VECTORS, int HEADS>
+Instances instances() {
+  return {attend<VECTORS, HEADS>, attend_chunk<VECTORS, HEADS>, HEADS};
+}
+
+// The instances for head_dim D that take the most heads of a kv group at once with their queries and
+// accumulators in 32 registers.
+Instances choose(int64_t D, int64_t group) {
   if (D == 64) {
-    if (group % 4 == 0) return {attend<4, 4>, 4};
-    if (group % 3 == 0) return {attend<4, 3>, 3};
-    if (group % 2 == 0) return {attend<4, 2>, 2};
-    return {attend<4, 1>, 1};
+    if (group % 4 == 0) return instances<4, 4>();
+    if (group % 3 == 0) return instances<4, 3>();
+    if (group % 2 == 0) return instances<4, 2>();
+    return instances<4, 1>();
   }
-  if (D == 128) return group % 2 == 0 ? std::pair<Attend, int64_t>{attend<8, 2>, 2} : std::pair<Attend, int64_t>{attend<8, 1>, 1};
-  return {attend<0, 1>, 1};
+  if (D == 128) return group % 2 == 0 ? instances<8, 2>() : instances<8, 1>();
+  return instances<0, 1>();
+}
+
+struct Shape {
+  int64_t G, T, H, D, S, H_kv, C;
+};
+
+// The checks both kernels make of their arguments (see query_attention), and the sizes they read.
+Shape check_arguments(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                      const at::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: contiguous (G, T, H, D) bf16");
+  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kBFloat16 && keys.is_contiguous() &&
+                  values.sizes() == keys.sizes() && values.scalar_type() == at::kBFloat16 && values.is_contiguous(),
+              "keys, values: contiguous (S, H_kv, C, D) bf16");
+  const Shape shape{q.size(0), q.size(1), q.size(2), q.size(3), keys.size(0), keys.size(1), keys.size(2)};
+  const int64_t D = shape.D;
+  TORCH_CHECK(keys.size(3) == D && D % LANES == 0 && D <= LANES * MAX_VECTORS, "head_dim: a multiple of 16, at most 256");
+  TORCH_CHECK(shape.H % shape.H_kv == 0, "query heads: a multiple of the kv heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == shape.G && slots.is_contiguous(),
+              "slots: contiguous (G,) int64");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({shape.G, shape.T}) &&
+                  positions.is_contiguous(),
+              "positions: contiguous (G, T) int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* position = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < shape.G; ++i) TORCH_CHECK(0 <= slot[i] && slot[i] < shape.S, "slot out of range");
+  for (int64_t i = 0; i < shape.G * shape.T; ++i)
+    TORCH_CHECK(0 <= position[i] && position[i] < shape.C, "position out of range");
+  return shape;
 }
 
 }  // namespace
@@ -136,38 +249,62 @@ std::pair<Attend, int64_t> choose_attend(int64_t D, int64_t group) {
 // query t of row g sits at positions[g, t] of cache slot slots[g] -> (G, T, H, D) bf16.
 at::Tensor query_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& slots, const at::Tensor& positions) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: contiguous (G, T, H, D) bf16");
-  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kBFloat16 && keys.is_contiguous() &&
-                  values.sizes() == keys.sizes() && values.scalar_type() == at::kBFloat16 && values.is_contiguous(),
-              "keys, values: contiguous (S, H_kv, C, D) bf16");
-  const int64_t G = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t S = keys.size(0), H_kv = keys.size(1), C = keys.size(2);
-  TORCH_CHECK(keys.size(3) == D && D % LANES == 0 && D <= LANES * MAX_VECTORS, "head_dim: a multiple of 16, at most 256");
-  TORCH_CHECK(H % H_kv == 0, "query heads: a multiple of the kv heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == G, "slots: (G,) int64");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({G, T}),
-              "positions: (G, T) int64");
-  const auto slot = slots.contiguous();
-  const auto position = positions.contiguous();
-  const int64_t* slot_ptr = slot.data_ptr<int64_t>();
-  const int64_t* position_ptr = position.data_ptr<int64_t>();
-  for (int64_t i = 0; i < G; ++i) TORCH_CHECK(0 <= slot_ptr[i] && slot_ptr[i] < S, "slot out of range");
-  for (int64_t i = 0; i < G * T; ++i) TORCH_CHECK(0 <= position_ptr[i] && position_ptr[i] < C, "position out of range");
+  const auto [G, T, H, D, S, H_kv, C] = check_arguments(q, keys, values, slots, positions);
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const int64_t* position_ptr = positions.data_ptr<int64_t>();
   auto out = at::empty_like(q);
   const auto* q_ptr = q.data_ptr<at::BFloat16>();
   const auto* key_ptr = keys.data_ptr<at::BFloat16>();
   const auto* value_ptr = values.data_ptr<at::BFloat16>();
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const auto [heads_at_once, at_once] = choose_attend(D, H / H_kv);
-  const int64_t tasks = G * T * H / at_once;  // each: at_once query heads of one query, sharing a kv head
+  const Instances kernel = choose(D, H / H_kv);
+  const int64_t tasks = G * T * H / kernel.heads;  // each: kernel.heads query heads of one query, sharing a kv head
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(at_once * C);
+    std::vector<float> scores(kernel.heads * C);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task * at_once % H, query = task * at_once / H, g = query / T;
+      const int64_t h = task * kernel.heads % H, query = task * kernel.heads / H, g = query / T;
       const int64_t kv = (slot_ptr[g] * H_kv + h / (H / H_kv)) * C * D;
-      heads_at_once(q_ptr + task * at_once * D, key_ptr + kv, value_ptr + kv, position_ptr[query] + 1, D, scale,
-                    scores.data(), out_ptr + task * at_once * D);
+      kernel.query(q_ptr + task * kernel.heads * D, key_ptr + kv, value_ptr + kv, position_ptr[query] + 1, D, scale,
+                   scores.data(), out_ptr + task * kernel.heads * D);
+    }
+  });
+  return out;
+}
+
+// The same arguments as query_attention, each row g the queries of a complete chunk at increasing positions; for
+// CPUs with AVX512-BF16 (the caller checks).
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& slots, const at::Tensor& positions) {
+  const auto [G, T, H, D, S, H_kv, C] = check_arguments(q, keys, values, slots, positions);
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const int64_t* position_ptr = positions.data_ptr<int64_t>();
+  auto out = at::empty_like(q);
+  const auto* q_ptr = q.data_ptr<at::BFloat16>();
+  const auto* key_ptr = keys.data_ptr<at::BFloat16>();
+  const auto* value_ptr = values.data_ptr<at::BFloat16>();
+  auto* out_ptr = out.data_ptr<at::BFloat16>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t group = H / H_kv;
+  const Instances kernel = choose(D, group);
+  at::parallel_for(0, G * H_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<uint32_t> pairs;
+    for (int64_t task = begin; task < end; ++task) {  // each: one chunk's queries over one kv head
+      const int64_t g = task / H_kv, kv_head = task % H_kv;
+      const int64_t* position = position_ptr + g * T;
+      const int64_t count = *std::max_element(position, position + T) + 1;
+      const int64_t stride = (count + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
+      const int64_t kv = (slot_ptr[g] * H_kv + kv_head) * C * D;
+      scores.resize(kernel.heads * stride);
+      pairs.resize(D / 2 * stride);
+      pair_keys(key_ptr + kv, count, D, stride, pairs.data());
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += kernel.heads) {
+          const int64_t at = ((g * T + t) * H + h) * D;
+          kernel.chunk(q_ptr + at, pairs.data(), stride, value_ptr + kv, position[t] + 1, D, scale, scores.data(),
+                       out_ptr + at);
+        }
     }
   });
   return out;
@@ -175,6 +312,10 @@ at::Tensor query_attention(const at::Tensor& q, const at::Tensor& keys, const at
 
 TORCH_LIBRARY(draft_server_attention, m) {
   m.def("query_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor positions) -> Tensor");
+  m.def("chunk_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor positions) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(draft_server_attention, CPU, m) { m.impl("query_attention", &query_attention); }
+TORCH_LIBRARY_IMPL(draft_server_attention, CPU, m) {
+  m.impl("query_attention", &query_attention);
+  m.impl("chunk_attention", &chunk_attention);
+}

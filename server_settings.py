@@ -122,10 +122,11 @@ class ServerSettings:
         choices=("auto", *int4.CPU_KERNELS),
     )
     attention_kernel: str = setting(
-        "how a decode step's queries attend over the KV cache: query-kernel (this project's CPU kernel, "
-        "query_attention.cpp: reads the bf16 cache in place; needs AVX512F and a C++ compiler, built at the first "
-        "start), torch (PyTorch operators on a gathered window); auto: query-kernel on a CPU with AVX512F in bf16 "
-        "where it builds, else torch",
+        "how queries attend over the KV cache: query-kernel (this project's CPU kernels, query_attention.cpp: "
+        "read the bf16 cache in place; need AVX512F and a C++ compiler, built at the first start; a prefill's "
+        "complete chunks take its chunk kernel where the CPU also has AVX512-BF16), torch (PyTorch operators on a "
+        "gathered window, SDPA for complete chunks); auto: query-kernel on a CPU with AVX512F in bf16 where it "
+        "builds, else torch",
         "auto",
         choices=attention_kernel.ATTENTION_KERNELS,
     )

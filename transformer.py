@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention_kernel import query_attention
+from attention_kernel import chunk_attention, query_attention
 from int4 import DENSE_ROW_BLOCK, Int4Linear, blockwise_matmul
 from kv_cache import KVCache
 from planning import CHUNK
@@ -242,7 +242,7 @@ class Segment:
     slot: int
     position: int  # the position of token `start` in its sequence
     window: int
-    complete_chunk: bool  # a whole chunk of positions: dense attention in the model's dtype, else block_attention
+    complete_chunk: bool  # a whole chunk of positions: dense weights and chunk attention, else a tail's few queries
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """(T, window): 0 where query t may see the key, that is where key position <= position + t, and
@@ -280,7 +280,7 @@ class StepPlan:
     dense_rows: int = 0  # a step's tokens all take the INT4 kernel
 
 
-def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def chunk_attention_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A complete chunk's queries q (T, H, D) over keys, values (H_kv, window, D), mask (T, window), in the
     model's dtype by the flash kernel, which is built for many queries -> (T, H, D)."""
     out = F.scaled_dot_product_attention(
@@ -348,7 +348,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.query_kernel = False  # few_queries by attention_kernel's CPU kernel: Transformer.use_query_kernel
+        # attention_kernel's CPU kernels (Transformer.use_attention_kernels): query_kernel for few_queries, and for
+        # complete chunks too unless chunk_kernel takes them.
+        self.query_kernel = self.chunk_kernel = False
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -365,19 +367,34 @@ class Attention(nn.Module):
             window = plan.key_positions.numel()
             out = self.few_queries(q[:, None], cache, layer, plan.read_slots, plan.positions[:, None], window)[:, 0]
         else:
-            out = torch.empty_like(q)
-            for segment, mask in zip(plan.segments, plan.masks):
-                queries = q[segment.start : segment.stop]  # (T, H, D)
-                if segment.complete_chunk:
-                    keys, values = cache.window(layer, segment.slot, segment.window)  # views of the slot: no copy
-                    out[segment.start : segment.stop] = chunk_attention(queries, keys, values, mask)
-                else:
-                    slots = plan.write_slots[segment.start : segment.start + 1]
-                    positions = plan.positions[None, segment.start : segment.stop]
-                    out[segment.start : segment.stop] = self.few_queries(
-                        queries[None], cache, layer, slots, positions, segment.window
-                    )[0]
+            out = self.prefill_attention(q, cache, layer, plan)
         return project(self.o_proj, out.reshape(N, H * D), plan.dense_rows)
+
+    def prefill_attention(self, q: torch.Tensor, cache: KVCache, layer: int, plan: Plan) -> torch.Tensor:
+        """q (N, H, D) -> (N, H, D), segment by segment. With the CPU kernels, the complete chunks (the first
+        plan.dense_rows tokens, a chunk each CHUNK of them) go in one call."""
+        out = torch.empty_like(q)
+        chunks = plan.dense_rows // CHUNK
+        if self.query_kernel and chunks:
+            kernel = chunk_attention if self.chunk_kernel else query_attention
+            slots = plan.write_slots[: plan.dense_rows : CHUNK]  # (chunks,)
+            positions = plan.positions[: plan.dense_rows].view(chunks, CHUNK)
+            queries = q[: plan.dense_rows].view(chunks, CHUNK, *q.shape[1:])
+            out[: plan.dense_rows] = kernel(queries, cache.keys[layer], cache.values[layer], slots, positions).flatten(
+                0, 1
+            )
+        for segment, mask in zip(plan.segments, plan.masks):
+            queries = q[segment.start : segment.stop]  # (T, H, D)
+            if segment.complete_chunk and not self.query_kernel:
+                keys, values = cache.window(layer, segment.slot, segment.window)  # views of the slot: no copy
+                out[segment.start : segment.stop] = chunk_attention_sdpa(queries, keys, values, mask)
+            elif not segment.complete_chunk:
+                slots = plan.write_slots[segment.start : segment.start + 1]
+                positions = plan.positions[None, segment.start : segment.stop]
+                out[segment.start : segment.stop] = self.few_queries(
+                    queries[None], cache, layer, slots, positions, segment.window
+                )[0]
+        return out
 
     def few_queries(self, q, cache: KVCache, layer: int, slots, positions, window: int) -> torch.Tensor:
         """q (G, T, H, D) at positions (G, T) of cache slots (G,), whose keys end by `window` -> (G, T, H, D):
@@ -437,11 +454,12 @@ class Transformer(nn.Module):
             if isinstance(module, LoRALinear):
                 module.prepare_fused_side()
 
-    def use_query_kernel(self, on: bool) -> None:
-        """Attend a decode step's and a prefill tail's queries with attention_kernel's CPU kernel (on) or with
-        block_attention."""
+    def use_attention_kernels(self, query_kernel: bool, chunk_kernel: bool) -> None:
+        """Attend with attention_kernel's CPU kernels: a decode step's and a prefill tail's queries by
+        query_attention (else block_attention), a prefill's complete chunks by chunk_attention (chunk_kernel),
+        else by query_attention (query_kernel), else by SDPA."""
         for layer in self.layers:
-            layer.self_attn.query_kernel = on
+            layer.self_attn.query_kernel, layer.self_attn.chunk_kernel = query_kernel, chunk_kernel
 
     def use_cuda_int4_kernels(self) -> None:
         """Repack every Int4Linear (on a CUDA device) for the CUDA kernel. A tied INT4 table is first copied

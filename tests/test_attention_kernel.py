@@ -1,5 +1,5 @@
-"""The CPU attention kernel (attention_kernel.py, query_attention.cpp): each query's result is its own, it
-computes the attention block_attention computes, and load_model chooses it by what the CPU has."""
+"""The CPU attention kernels (attention_kernel.py, query_attention.cpp): each query's result is its own, they
+compute the attention block_attention computes, and load_model chooses them by what the CPU has."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ from tiny_models import random_rows, write_default_path_package
 import attention_kernel
 import draft_model
 import transformer
+from planning import CHUNK
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY, SLOTS = 6, 2, 64, 320, 24
 
@@ -15,6 +16,12 @@ HEADS, KV_HEADS, HEAD_DIM, CAPACITY, SLOTS = 6, 2, 64, 320, 24
 def kernel_or_skip() -> None:
     if not attention_kernel.wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16):
         pytest.skip("the attention kernel cannot run on this CPU (it needs AVX512F and a C++ compiler)")
+
+
+def chunk_kernel_or_skip() -> None:
+    kernel_or_skip()
+    if not attention_kernel.wants_chunk_kernel(True):
+        pytest.skip("the chunk kernel cannot run on this CPU (it needs AVX512-BF16)")
 
 
 def random_cache(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,18 +100,81 @@ def test_it_computes_softmax_attention_as_block_attention_does(heads, kv_heads, 
     ours = attention_kernel.query_attention(q, keys, values, slots, positions).double()
     window = CAPACITY - 64
     theirs = transformer.block_attention(q, keys[slots, :, :window], values[slots, :, :window], positions).double()
-    exact = torch.empty_like(ours)
-    group = heads // kv_heads
+    exact = exact_attention(q, keys, values, slots, positions)
+    bf16_step = exact.abs().clamp(min=2**-8) * 2**-7  # one bf16 rounding of the result
+    assert ((ours - exact).abs() <= bf16_step).all()
+    assert ((theirs - exact).abs() <= bf16_step).all()
+
+
+def exact_attention(q, keys, values, slots, positions) -> torch.Tensor:
+    """Softmax attention of q (G, T, H, D) at positions (G, T) in fp64, one query head at a time."""
+    exact = torch.empty(q.shape, dtype=torch.float64)
+    group, head_dim = q.shape[2] // keys.shape[1], q.shape[3]
     for row, slot in enumerate(slots.tolist()):
         for t, position in enumerate(positions[row].tolist()):
-            for head in range(heads):
+            for head in range(q.shape[2]):
                 k = keys[slot, head // group, : position + 1].double()
                 v = values[slot, head // group, : position + 1].double()
                 weights = torch.softmax(k @ q[row, t, head].double() / head_dim**0.5, dim=0)
                 exact[row, t, head] = weights @ v
-    bf16_step = exact.abs().clamp(min=2**-8) * 2**-7  # one bf16 rounding of the result
-    assert ((ours - exact).abs() <= bf16_step).all()
-    assert ((theirs - exact).abs() <= bf16_step).all()
+    return exact
+
+
+def random_chunks(chunks: int, seed: int, heads: int = HEADS, head_dim: int = HEAD_DIM):
+    """q (chunks, CHUNK, heads, head_dim) bf16 of complete chunks at random chunk starts of distinct slots (chunks,),
+    and their positions (chunks, CHUNK)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = (torch.randn(chunks, CHUNK, heads, head_dim, generator=generator) * 2).bfloat16()
+    slots = torch.randperm(SLOTS, generator=generator)[:chunks]
+    starts = torch.randint(0, CAPACITY // CHUNK, (chunks, 1), generator=generator) * CHUNK
+    return q, slots, starts + torch.arange(CHUNK)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_each_query_of_a_chunk_gets_the_bits_it_gets_alone(chunks):
+    """Chunks together, each alone, each query alone with NaN past its position, and with 1 or 2 threads."""
+    chunk_kernel_or_skip()
+    keys, values = random_cache(seed=chunks)
+    q, slots, positions = random_chunks(chunks, seed=50 + chunks)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention_kernel.chunk_attention(q, keys, values, slots, positions)
+        torch.set_num_threads(2)
+        together = attention_kernel.chunk_attention(q, keys, values, slots, positions)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, together)
+    for row in range(chunks):
+        alone = attention_kernel.chunk_attention(
+            q[row : row + 1], keys, values, slots[row : row + 1], positions[row : row + 1]
+        )
+        assert torch.equal(together[row], alone[0]), f"chunk {row} of {chunks}"
+        for t in (0, 1, 17, CHUNK - 1):
+            stop = int(positions[row, t]) + 1
+            poisoned_keys, poisoned_values = keys.clone(), values.clone()
+            poisoned_keys[slots[row], :, stop:] = float("nan")
+            poisoned_values[slots[row], :, stop:] = float("nan")
+            query = attention_kernel.chunk_attention(
+                q[row : row + 1, t : t + 1],
+                poisoned_keys,
+                poisoned_values,
+                slots[row : row + 1],
+                positions[row : row + 1, t : t + 1],
+            )
+            assert torch.equal(query[0, 0], together[row, t]), f"chunk {row}, query {t}"
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
+def test_the_chunk_kernel_computes_softmax_attention(heads, kv_heads, head_dim):
+    chunk_kernel_or_skip()
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    shape = (SLOTS, kv_heads, CAPACITY, head_dim)
+    keys, values = ((torch.randn(shape, generator=generator) * 2).bfloat16() for _ in range(2))
+    q, slots, positions = random_chunks(3, seed=heads + head_dim, heads=heads, head_dim=head_dim)
+    ours = attention_kernel.chunk_attention(q, keys, values, slots, positions).double()
+    exact = exact_attention(q, keys, values, slots, positions)
+    assert ((ours - exact).abs() <= exact.abs().clamp(min=2**-8) * 2**-7).all()  # within one bf16 rounding
 
 
 def test_auto_takes_the_kernel_only_where_it_runs(monkeypatch):
@@ -117,18 +187,27 @@ def test_auto_takes_the_kernel_only_where_it_runs(monkeypatch):
         attention_kernel.wants_query_kernel("query-kernel", cpu, torch.bfloat16)
     message = str(refused.value)
     assert "\n" not in message and "avx512f" in message and "choose auto or torch" in message
+    monkeypatch.setattr(attention_kernel, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert not attention_kernel.wants_chunk_kernel(True)  # complete chunks then take query_attention
+    monkeypatch.setattr(attention_kernel, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert attention_kernel.wants_chunk_kernel(True) and not attention_kernel.wants_chunk_kernel(False)
     with pytest.raises(ValueError, match="choose one of auto, query-kernel, torch"):
         attention_kernel.wants_query_kernel("flash", cpu, torch.bfloat16)
 
 
-def test_drafts_are_the_same_with_the_kernel_or_without(tmp_path):
+def test_drafts_are_the_same_with_the_kernels_or_without(tmp_path, monkeypatch):
     kernel_or_skip()
     package = write_default_path_package(tmp_path / "package")
-    with_kernel = draft_model.load_model(package, device="cpu", cache_slots=32)
+    with_kernels = draft_model.load_model(package, device="cpu", cache_slots=32)
     without = draft_model.load_model(package, device="cpu", cache_slots=32, attention_kernel="torch")
-    assert with_kernel.kernel()["attention"] == "query-kernel" and without.kernel()["attention"] == "torch"
+    assert with_kernels.kernel()["attention"] == attention_kernel.cpu_choice()
+    monkeypatch.setattr(attention_kernel, "cpu_flags", lambda: frozenset({"avx512f"}))
+    query_kernel_only = draft_model.load_model(package, device="cpu", cache_slots=32)
+    assert query_kernel_only.kernel()["attention"] == "query-kernel" and without.kernel()["attention"] == "torch"
     rows = random_rows([5, 70, 130, 200], seed=7)
-    assert draft_model.draft_batch(with_kernel, rows, 8) == draft_model.draft_batch(without, rows, 8)
+    drafts = draft_model.draft_batch(without, rows, 8)
+    assert draft_model.draft_batch(with_kernels, rows, 8) == drafts
+    assert draft_model.draft_batch(query_kernel_only, rows, 8) == drafts
 
 
 def test_load_model_refuses_a_forced_kernel_in_one_line(tmp_path):

@@ -195,5 +195,4 @@ def test_auto_loads_the_kernel_auto_chooses(tmp_path):
     described = drafter.describe()["kernel"]
     assert described["name"].split("+")[0] == int4.choose_cpu_kernel("auto")  # + int4pack for narrow layers
     assert described["cpu"] == int4.cpu_description()
-    wanted = attention_kernel.wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16)
-    assert described["attention"] == ("query-kernel" if wanted else "torch")
+    assert described["attention"] == attention_kernel.cpu_choice()

@@ -4,8 +4,9 @@ For one layer shape at a time (a model's fused q|k|v, o, gate|up, down and lm_he
 weights time exactly like trained ones), it times the few-row product each kernel gives a decode step at
 M = 1, 2, 4, 8, 16 rows, and the many-row product of a prefill's complete chunks (the packed kernels'
 unpacked matmul, the dense kernels' resident matmul) at 64, 512 and 2048 rows; then one layer's attention
-for a decode step of 1-16 rows and a 40-query prefill tail, 512 keys behind each query, by PyTorch's
-operators and by the CPU attention kernel (attention_kernel.py) where it runs. Medians of --repeats,
+for a decode step of 1-16 rows, a 40-query prefill tail and a complete 64-query chunk, 512 keys behind each
+query, by PyTorch (operators; SDPA for the chunk) and by the CPU attention kernels (attention_kernel.py) where
+they run. Medians of --repeats,
 all in one process; the CPU and the kernel `auto` chooses are printed first. Kernels this CPU lacks are
 left out, by name.
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(REPO))
 import attention_kernel  # noqa: E402
 import int4  # noqa: E402
 import transformer  # noqa: E402
+from planning import CHUNK  # noqa: E402
 
 SHAPES = {  # (hidden, intermediate, q heads x head dim, kv heads x head dim, vocab) of the benchmarked models
     "qwen3-180m": (512, 2048, 512, 256, 151936),
@@ -105,26 +107,41 @@ def gathered_attention(q, keys, values, slots, positions, window: int) -> torch.
     return transformer.block_attention(q, keys[slots, :, :window], values[slots, :, :window], positions)
 
 
+def sdpa_chunk(q, keys, values, slots, positions) -> torch.Tensor:
+    """A complete chunk as the model attends it without the kernels: SDPA over a view of its slot, masked."""
+    segment = transformer.Segment(0, q.shape[1], int(slots[0]), int(positions[0, 0]), int(positions[0, -1]) + 1, True)
+    keys, values = keys[segment.slot, :, : segment.window], values[segment.slot, :, : segment.window]
+    return transformer.chunk_attention_sdpa(q[0], keys, values, segment.mask(q.device))
+
+
 @torch.inference_mode()
 def time_attention(shape: str, repeats: int) -> dict[str, dict[str, float]]:
-    """Milliseconds per layer call of a decode step's attention (rows of one query) and of a prefill tail (one
-    row of 40 queries), CONTEXT keys behind each, by PyTorch's operators on the gathered window
-    (transformer.block_attention) and, where it runs, by the CPU kernel reading the cache in place."""
+    """Milliseconds per layer call of a decode step's attention (rows of one query), of a prefill tail (one row of
+    40 queries) and of a complete chunk (64 queries), CONTEXT keys behind each: by PyTorch (transformer.block_attention
+    on the gathered window; SDPA for the chunk) and, where they run, by the CPU kernels reading the cache in place."""
     heads, kv_heads, head_dim = HEADS[shape]
     window = CONTEXT + 64
     generator = torch.Generator().manual_seed(0)
     cache = [torch.randn(33, kv_heads, window + 64, head_dim, generator=generator).bfloat16() for _ in range(2)]
-    figures = {"torch": {}, "query-kernel": {}}
-    for rows, queries in [*((rows, 1) for rows in FEW_ROWS), (1, 40)]:
+    query_kernel = attention_kernel.wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16)
+    chunk_kernel = attention_kernel.wants_chunk_kernel(query_kernel)
+    figures = {"torch": {}, "query-kernel": {}, "chunk-kernel": {}}
+    for rows, queries in [*((rows, 1) for rows in FEW_ROWS), (1, 40), (1, CHUNK)]:
         q = torch.randn(rows, queries, heads, head_dim, generator=generator).bfloat16()
         slots = torch.arange(rows)
         positions = torch.arange(CONTEXT - queries, CONTEXT).expand(rows, queries)
-        label = f"M={rows}" if queries == 1 else f"tail of {queries}"
+        label = f"M={rows}" if queries == 1 else f"tail of {queries}" if queries < CHUNK else "chunk"
         where = {"keys": cache[0], "values": cache[1], "slots": slots, "positions": positions}
-        figures["torch"][label] = median_ms(functools.partial(gathered_attention, window=window, **where), q, repeats)
-        if attention_kernel.cpu_choice() == "query-kernel":
-            in_place = functools.partial(attention_kernel.query_attention, **where)
-            figures["query-kernel"][label] = median_ms(in_place, q, repeats)
+        torch_way = sdpa_chunk if queries == CHUNK else functools.partial(gathered_attention, window=window)
+        figures["torch"][label] = median_ms(functools.partial(torch_way, **where), q, repeats)
+        if query_kernel:
+            figures["query-kernel"][label] = median_ms(
+                functools.partial(attention_kernel.query_attention, **where), q, repeats
+            )
+        if chunk_kernel and queries == CHUNK:
+            figures["chunk-kernel"][label] = median_ms(
+                functools.partial(attention_kernel.chunk_attention, **where), q, repeats
+            )
     return {name: cells for name, cells in figures.items() if cells}
 
 
