@@ -215,32 +215,39 @@ Instances choose(int64_t D, int64_t group) {
   return instances<0, 1>();
 }
 
-struct Shape {
+// One call of either kernel: its sizes, its tensors' data, its output, and the instances for its head shape.
+struct Call {
   int64_t G, T, H, D, S, H_kv, C;
+  const at::BFloat16 *q, *keys, *values;
+  const int64_t *slots, *positions;
+  at::Tensor out;
+  float scale;
+  Instances kernel;
 };
 
-// The checks both kernels make of their arguments (see query_attention), and the sizes they read.
-Shape check_arguments(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                      const at::Tensor& positions) {
+// The checks both kernels make of their arguments (see query_attention), and the call they make.
+Call prepare(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+             const at::Tensor& positions) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: contiguous (G, T, H, D) bf16");
   TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kBFloat16 && keys.is_contiguous() &&
                   values.sizes() == keys.sizes() && values.scalar_type() == at::kBFloat16 && values.is_contiguous(),
               "keys, values: contiguous (S, H_kv, C, D) bf16");
-  const Shape shape{q.size(0), q.size(1), q.size(2), q.size(3), keys.size(0), keys.size(1), keys.size(2)};
-  const int64_t D = shape.D;
+  const int64_t G = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t S = keys.size(0), H_kv = keys.size(1), C = keys.size(2);
   TORCH_CHECK(keys.size(3) == D && D % LANES == 0 && D <= LANES * MAX_VECTORS, "head_dim: a multiple of 16, at most 256");
-  TORCH_CHECK(shape.H % shape.H_kv == 0, "query heads: a multiple of the kv heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == shape.G && slots.is_contiguous(),
+  TORCH_CHECK(H % H_kv == 0, "query heads: a multiple of the kv heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == G && slots.is_contiguous(),
               "slots: contiguous (G,) int64");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({shape.G, shape.T}) &&
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({G, T}) &&
                   positions.is_contiguous(),
               "positions: contiguous (G, T) int64");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* position = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < shape.G; ++i) TORCH_CHECK(0 <= slot[i] && slot[i] < shape.S, "slot out of range");
-  for (int64_t i = 0; i < shape.G * shape.T; ++i)
-    TORCH_CHECK(0 <= position[i] && position[i] < shape.C, "position out of range");
-  return shape;
+  for (int64_t i = 0; i < G; ++i) TORCH_CHECK(0 <= slot[i] && slot[i] < S, "slot out of range");
+  for (int64_t i = 0; i < G * T; ++i) TORCH_CHECK(0 <= position[i] && position[i] < C, "position out of range");
+  return {G, T, H, D, S, H_kv, C, q.data_ptr<at::BFloat16>(), keys.data_ptr<at::BFloat16>(),
+          values.data_ptr<at::BFloat16>(), slot, position, at::empty_like(q), 1.0f / std::sqrt(static_cast<float>(D)),
+          choose(D, H / H_kv)};
 }
 
 }  // namespace
@@ -249,65 +256,50 @@ Shape check_arguments(const at::Tensor& q, const at::Tensor& keys, const at::Ten
 // query t of row g sits at positions[g, t] of cache slot slots[g] -> (G, T, H, D) bf16.
 at::Tensor query_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& slots, const at::Tensor& positions) {
-  const auto [G, T, H, D, S, H_kv, C] = check_arguments(q, keys, values, slots, positions);
-  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  const int64_t* position_ptr = positions.data_ptr<int64_t>();
-  auto out = at::empty_like(q);
-  const auto* q_ptr = q.data_ptr<at::BFloat16>();
-  const auto* key_ptr = keys.data_ptr<at::BFloat16>();
-  const auto* value_ptr = values.data_ptr<at::BFloat16>();
-  auto* out_ptr = out.data_ptr<at::BFloat16>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const Instances kernel = choose(D, H / H_kv);
-  const int64_t tasks = G * T * H / kernel.heads;  // each: kernel.heads query heads of one query, sharing a kv head
+  const Call c = prepare(q, keys, values, slots, positions);
+  auto* out = c.out.data_ptr<at::BFloat16>();
+  const int64_t heads = c.kernel.heads;
+  const int64_t tasks = c.G * c.T * c.H / heads;  // each: `heads` query heads of one query, sharing a kv head
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kernel.heads * C);
+    std::vector<float> scores(heads * c.C);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task * kernel.heads % H, query = task * kernel.heads / H, g = query / T;
-      const int64_t kv = (slot_ptr[g] * H_kv + h / (H / H_kv)) * C * D;
-      kernel.query(q_ptr + task * kernel.heads * D, key_ptr + kv, value_ptr + kv, position_ptr[query] + 1, D, scale,
-                   scores.data(), out_ptr + task * kernel.heads * D);
+      const int64_t h = task * heads % c.H, query = task * heads / c.H, g = query / c.T;
+      const int64_t kv = (c.slots[g] * c.H_kv + h / (c.H / c.H_kv)) * c.C * c.D;
+      c.kernel.query(c.q + task * heads * c.D, c.keys + kv, c.values + kv, c.positions[query] + 1, c.D, c.scale,
+                     scores.data(), out + task * heads * c.D);
     }
   });
-  return out;
+  return c.out;
 }
 
 // The same arguments as query_attention, each row g the queries of a complete chunk at increasing positions; for
 // CPUs with AVX512-BF16 (the caller checks).
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& slots, const at::Tensor& positions) {
-  const auto [G, T, H, D, S, H_kv, C] = check_arguments(q, keys, values, slots, positions);
-  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  const int64_t* position_ptr = positions.data_ptr<int64_t>();
-  auto out = at::empty_like(q);
-  const auto* q_ptr = q.data_ptr<at::BFloat16>();
-  const auto* key_ptr = keys.data_ptr<at::BFloat16>();
-  const auto* value_ptr = values.data_ptr<at::BFloat16>();
-  auto* out_ptr = out.data_ptr<at::BFloat16>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t group = H / H_kv;
-  const Instances kernel = choose(D, group);
-  at::parallel_for(0, G * H_kv, 1, [&](int64_t begin, int64_t end) {
+  const Call c = prepare(q, keys, values, slots, positions);
+  auto* out = c.out.data_ptr<at::BFloat16>();
+  const int64_t group = c.H / c.H_kv;
+  at::parallel_for(0, c.G * c.H_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<uint32_t> pairs;
     for (int64_t task = begin; task < end; ++task) {  // each: one chunk's queries over one kv head
-      const int64_t g = task / H_kv, kv_head = task % H_kv;
-      const int64_t* position = position_ptr + g * T;
-      const int64_t count = *std::max_element(position, position + T) + 1;
+      const int64_t g = task / c.H_kv, kv_head = task % c.H_kv;
+      const int64_t* position = c.positions + g * c.T;
+      const int64_t count = *std::max_element(position, position + c.T) + 1;
       const int64_t stride = (count + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
-      const int64_t kv = (slot_ptr[g] * H_kv + kv_head) * C * D;
-      scores.resize(kernel.heads * stride);
-      pairs.resize(D / 2 * stride);
-      pair_keys(key_ptr + kv, count, D, stride, pairs.data());
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += kernel.heads) {
-          const int64_t at = ((g * T + t) * H + h) * D;
-          kernel.chunk(q_ptr + at, pairs.data(), stride, value_ptr + kv, position[t] + 1, D, scale, scores.data(),
-                       out_ptr + at);
+      const int64_t kv = (c.slots[g] * c.H_kv + kv_head) * c.C * c.D;
+      scores.resize(c.kernel.heads * stride);
+      pairs.resize(c.D / 2 * stride);
+      pair_keys(c.keys + kv, count, c.D, stride, pairs.data());
+      for (int64_t t = 0; t < c.T; ++t)
+        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += c.kernel.heads) {
+          const int64_t at = ((g * c.T + t) * c.H + h) * c.D;
+          c.kernel.chunk(c.q + at, pairs.data(), stride, c.values + kv, position[t] + 1, c.D, c.scale, scores.data(),
+                         out + at);
         }
     }
   });
-  return out;
+  return c.out;
 }
 
 TORCH_LIBRARY(draft_server_attention, m) {

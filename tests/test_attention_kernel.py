@@ -31,6 +31,25 @@ def random_cache(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(shape, generator=generator) * 2).bfloat16(), torch.randn(shape, generator=generator).bfloat16()
 
 
+def on_threads(threads: int, kernel, *arguments) -> torch.Tensor:
+    """kernel(*arguments) computed on `threads` torch threads."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return kernel(*arguments)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def alone_with_nan_past(kernel, q, keys, values, slots, positions, row: int, t: int) -> torch.Tensor:
+    """Query t of row `row` computed alone, with NaN in its slot past its position: what it must never read."""
+    poisoned_keys, poisoned_values = keys.clone(), values.clone()
+    poisoned_keys[slots[row], :, int(positions[row, t]) + 1 :] = float("nan")
+    poisoned_values[slots[row], :, int(positions[row, t]) + 1 :] = float("nan")
+    one = slice(row, row + 1), slice(t, t + 1)
+    return kernel(q[one], poisoned_keys, poisoned_values, slots[row : row + 1], positions[one])[0, 0]
+
+
 def random_queries(rows: int, queries: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (rows, queries, HEADS, HEAD_DIM) bf16, distinct slots (rows,) and positions (rows, queries)."""
     generator = torch.Generator().manual_seed(seed)
@@ -57,30 +76,13 @@ def test_threads_and_what_lies_past_each_query_change_nothing():
     kernel_or_skip()
     keys, values = random_cache(seed=1)
     q, slots, positions = random_queries(5, 7, seed=2)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = attention_kernel.query_attention(q, keys, values, slots, positions)
-        torch.set_num_threads(2)
-        two = attention_kernel.query_attention(q, keys, values, slots, positions)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = (on_threads(n, attention_kernel.query_attention, q, keys, values, slots, positions) for n in (1, 2))
     assert torch.equal(one, two)
     # Each query alone, with everything past its own position replaced by NaN: never read.
     for row in range(5):
         for t in range(7):
-            stop = int(positions[row, t]) + 1
-            poisoned_keys, poisoned_values = keys.clone(), values.clone()
-            poisoned_keys[slots[row], :, stop:] = float("nan")
-            poisoned_values[slots[row], :, stop:] = float("nan")
-            alone = attention_kernel.query_attention(
-                q[row : row + 1, t : t + 1],
-                poisoned_keys,
-                poisoned_values,
-                slots[row : row + 1],
-                positions[row : row + 1, t : t + 1],
-            )
-            assert torch.equal(alone[0, 0], one[row, t]), f"row {row}, query {t}"
+            alone = alone_with_nan_past(attention_kernel.query_attention, q, keys, values, slots, positions, row, t)
+            assert torch.equal(alone, one[row, t]), f"row {row}, query {t}"
 
 
 # (query heads, kv heads, head_dim): the tests' shape, SmolLM2-135M's, Qwen3-1.7B's (the Qwen3-8B drafter), no
@@ -136,14 +138,7 @@ def test_each_query_of_a_chunk_gets_the_bits_it_gets_alone(chunks):
     chunk_kernel_or_skip()
     keys, values = random_cache(seed=chunks)
     q, slots, positions = random_chunks(chunks, seed=50 + chunks)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = attention_kernel.chunk_attention(q, keys, values, slots, positions)
-        torch.set_num_threads(2)
-        together = attention_kernel.chunk_attention(q, keys, values, slots, positions)
-    finally:
-        torch.set_num_threads(threads)
+    one, together = (on_threads(n, attention_kernel.chunk_attention, q, keys, values, slots, positions) for n in (1, 2))
     assert torch.equal(one, together)
     for row in range(chunks):
         alone = attention_kernel.chunk_attention(
@@ -151,18 +146,8 @@ def test_each_query_of_a_chunk_gets_the_bits_it_gets_alone(chunks):
         )
         assert torch.equal(together[row], alone[0]), f"chunk {row} of {chunks}"
         for t in (0, 1, 17, CHUNK - 1):
-            stop = int(positions[row, t]) + 1
-            poisoned_keys, poisoned_values = keys.clone(), values.clone()
-            poisoned_keys[slots[row], :, stop:] = float("nan")
-            poisoned_values[slots[row], :, stop:] = float("nan")
-            query = attention_kernel.chunk_attention(
-                q[row : row + 1, t : t + 1],
-                poisoned_keys,
-                poisoned_values,
-                slots[row : row + 1],
-                positions[row : row + 1, t : t + 1],
-            )
-            assert torch.equal(query[0, 0], together[row, t]), f"chunk {row}, query {t}"
+            alone = alone_with_nan_past(attention_kernel.chunk_attention, q, keys, values, slots, positions, row, t)
+            assert torch.equal(alone, together[row, t]), f"chunk {row}, query {t}"
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
