@@ -35,13 +35,16 @@ from planning import (
     waves,
     window_bucket,
 )
-from transformer import KEY_BLOCK, Plan, Segment, StepPlan, Transformer
+from transformer import KEY_BLOCK, Outputs, Plan, Segment, StepPlan, Transformer
 
 PREFILL_TOKENS = 8192  # tokens per prefill forward: bounds its temporaries; each forward unpacks every INT4 layer once
 
 
-def plan_for(pieces: list[Piece], slots: list[int], capacity: int, device: torch.device) -> Plan:
-    """A forward over `pieces`, one attention segment each, the complete chunks' tokens first."""
+def plan_for(
+    pieces: list[Piece], slots: list[int], capacity: int, device: torch.device, wanted: list[bool] | None = None
+) -> Plan:
+    """A forward over `pieces`, one attention segment each, the complete chunks' tokens first. wanted: which
+    pieces' final hidden states the caller reads (the forward then returns only theirs); None: every token's."""
     positions, write_slots, segments = [], [], []
     for piece in pieces:
         start = len(positions)
@@ -51,8 +54,18 @@ def plan_for(pieces: list[Piece], slots: list[int], capacity: int, device: torch
         segments.append(Segment(start, len(positions), slots[piece.row], piece.start, window, piece.complete))
     dense_rows = sum(piece.stop - piece.start for piece in pieces if piece.complete)
     masks = [segment.mask(device) if segment.complete_chunk else None for segment in segments]
+    outputs = None
+    if wanted is not None and any(wanted):  # a forward that ends no row computes its last layer whole
+        kept = [segment for segment, want in zip(segments, wanted) if want]
+        rows = torch.tensor([t for segment in kept for t in range(segment.start, segment.stop)], device=device)
+        outputs = Outputs(rows, sum(s.stop - s.start for s in kept if s.complete_chunk))
     return Plan(
-        torch.tensor(positions, device=device), torch.tensor(write_slots, device=device), segments, dense_rows, masks
+        torch.tensor(positions, device=device),
+        torch.tensor(write_slots, device=device),
+        segments,
+        dense_rows,
+        masks,
+        outputs,
     )
 
 
@@ -63,14 +76,17 @@ def prefill(
     device = model.norm.weight.device
     last_hidden: list[torch.Tensor | None] = [None] * len(rows)
     for wave in waves(prefill_pieces([len(row) for row in rows], reused), PREFILL_TOKENS):
-        plan = plan_for(wave, slots, cache.capacity, device)
+        ends_row = [piece.stop == len(rows[piece.row]) for piece in wave]
+        plan = plan_for(wave, slots, cache.capacity, device, ends_row)
         token_ids = torch.tensor(
             [t for piece in wave for t in rows[piece.row][piece.start : piece.stop]], device=device
         )
-        hidden = model(token_ids, cache, plan)  # (N, hidden)
-        for piece, segment in zip(wave, plan.segments):
-            if piece.stop == len(rows[piece.row]):
-                last_hidden[piece.row] = hidden[segment.stop - 1]
+        hidden = model(token_ids, cache, plan)  # (M, hidden): the tokens of the pieces that end their rows
+        end = 0
+        for piece, ends in zip(wave, ends_row):
+            if ends:
+                end += piece.stop - piece.start
+                last_hidden[piece.row] = hidden[end - 1]
     return model.logits(torch.stack(last_hidden))
 
 

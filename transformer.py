@@ -254,6 +254,17 @@ class Segment:
         )
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """The tokens of a prefill whose final hidden states the caller reads (the segments that end their rows).
+    After its attention the last layer computes only these: of the other tokens a prefill needs only the keys
+    and values. They are whole segments, so the dense path's 64-row blocks are the ones the full forward makes
+    and each kept token's bits are the same."""
+
+    rows: torch.Tensor  # (M,) indices into the forward's N tokens, complete chunks' tokens first
+    dense_rows: int  # rows 0..dense_rows-1 of them fill complete chunks
+
+
 @dataclass
 class Plan:
     """What one prefill forward computes: N tokens of one or more sequences, flattened in one row each."""
@@ -263,6 +274,7 @@ class Plan:
     segments: list[Segment]
     dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
     masks: list[torch.Tensor | None]  # each complete chunk's Segment.mask, made once for every layer
+    outputs: Outputs | None = None  # the tokens whose final hidden states the forward returns; None: all
 
 
 @dataclass
@@ -355,7 +367,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan | StepPlan) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan | StepPlan, keep: Outputs | None = None):
+        """x (N, hidden) -> (N, hidden), or the keep.rows only (keys and values are written for all N)."""
         N, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         heads = project(self.qkv_proj, x, plan.dense_rows).view(N, H + 2 * H_kv, D)
         q_and_k, v = heads.split([H + H_kv, H_kv], dim=1)
@@ -368,6 +381,8 @@ class Attention(nn.Module):
             out = self.few_queries(q[:, None], cache, layer, plan.read_slots, plan.positions[:, None], window)[:, 0]
         else:
             out = self.prefill_attention(q, cache, layer, plan)
+        if keep is not None:
+            return project(self.o_proj, out[keep.rows].flatten(1), keep.dense_rows)
         return project(self.o_proj, out.reshape(N, H * D), plan.dense_rows)
 
     def prefill_attention(self, q: torch.Tensor, cache: KVCache, layer: int, plan: Plan) -> torch.Tensor:
@@ -427,9 +442,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan | StepPlan) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, plan)
-        return x + self.mlp(self.post_attention_layernorm(x), plan.dense_rows)
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, plan: Plan | StepPlan, keep: Outputs | None = None):
+        """x (N, hidden) -> (N, hidden), or the keep.rows only (keys and values are written for all N)."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, plan, keep)
+        x, dense_rows = (x, plan.dense_rows) if keep is None else (x[keep.rows], keep.dense_rows)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x), dense_rows)
 
 
 class Transformer(nn.Module):
@@ -475,11 +493,13 @@ class Transformer(nn.Module):
         return self.embed_tokens(token_ids) if self.embed_tokens is not None else self.lm_head.rows(token_ids)
 
     def forward(self, token_ids: torch.Tensor, cache: KVCache, plan: Plan | StepPlan) -> torch.Tensor:
-        """token_ids (N,) -> final hidden states (N, hidden); keys and values written to the cache on the way."""
+        """token_ids (N,) -> final hidden states (N, hidden), or of a prefill's plan.outputs.rows only; keys and
+        values of all N written to the cache on the way."""
         x = self.embed(token_ids)
         cos, sin = rope_cos_sin(plan.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        outputs = plan.outputs if isinstance(plan, Plan) else None
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, cache, i, plan)
+            x = block(x, cos, sin, cache, i, plan, outputs if i == len(self.layers) - 1 else None)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

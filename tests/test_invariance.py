@@ -14,9 +14,10 @@ import random
 
 import pytest
 import torch
-from tiny_models import write_default_path_package
+from tiny_models import forward_all, write_default_path_package
 
 import draft_model
+import engine
 import int4
 from transformer import block_attention
 
@@ -124,3 +125,17 @@ def test_block_attention_gives_each_query_its_own_bits_and_softmax_attention(row
             q[g].transpose(0, 1).float(), keys[g].float(), values[g].float(), attn_mask=mask, enable_gqa=True
         )
         torch.testing.assert_close(together[g].float(), reference.transpose(0, 1), atol=1e-2, rtol=1e-2)
+
+
+def test_a_prefill_computes_the_last_layer_for_row_ends_alone_with_a_full_forwards_bits(package):
+    """After its attention, a prefill's last layer computes only the segments that end their rows; their final
+    logits equal those of a forward that computes every token (tiny_models.forward_all), whether a row ends in a
+    complete chunk or in a tail, alone or batched."""
+    drafter = draft_model.load_model(package, cache_slots=8)
+    rows = rows_of([64, 130, 200, 7], seed=11)
+    full = [forward_all(drafter, row)[-1] for row in rows]
+    drafter.cache.forget()
+    slots = list(range(len(rows)))
+    pruned = engine.prefill(drafter.model, drafter.cache, rows, slots, reused=[0] * len(rows))
+    for i, logits in enumerate(full):
+        assert torch.equal(pruned[i], logits), f"row of {len(rows[i])} tokens"
