@@ -17,8 +17,9 @@
 // or queries that share its kv head, which share the conversion of each key and value but none of the sums), so
 // its result depends only on its own vector and its sequence's keys 0..p: not on the other rows, queries or
 // heads of the call, not on the number of threads, not on how far the cache was written past p. The two kernels
-// sum q . k_j in different orders (in 16-lane parts then across them; along d), so their bits differ: a token
-// takes one or the other by its place in its sequence (planning.py), never by its batch.
+// sum q . k_j in different orders (query_attention in 16-lane parts, then the parts of 16 keys at once by one
+// fixed tree of shuffles; chunk_attention along d), so their bits differ: a token takes one or the other by its
+// place in its sequence (planning.py), never by its batch.
 //
 // Built at first use by attention_kernel.py (torch.utils.cpp_extension) and registered as
 // draft_server_attention::query_attention and draft_server_attention::chunk_attention.
@@ -65,6 +66,28 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// 16 vectors v[0..15] -> one vector whose lane j is the sum of v[j]'s 16 lanes: halves added to halves in three
+// rounds of shuffles (a fixed tree per lane, no lane ever meeting another vector's), then one permutation.
+inline __m512 sum_lanes(const __m512 v[LANES]) {
+  __m512 halves[8], quarters[4];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s 8 partial sums, lanes 8-15: v[2i+1]'s
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit block k: v[4i+k]'s 4 partial sums
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // Block k: v[k]'s and v[4+k]'s 2 partial sums, then v[8+k]'s and v[12+k]'s.
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_ps(quarters[2], quarters[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(quarters[2], quarters[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Lane 4k+m: the sum of v[4m+k]; the permutation puts it in lane 4m+k.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, sums);
 }
 
 // e^(s - max s) in place over scores (count); returns their sum, each sum in one fixed order.
@@ -119,14 +142,25 @@ void attend(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16*
   __m512 query[HEADS][SLOTS];
   for (int h = 0; h < HEADS; ++h)
     for (int v = 0; v < vectors; ++v) query[h][v] = load_bf16(q + h * D + LANES * v);
-  for (int64_t j = 0; j < count; ++j) {
-    __m512 key[SLOTS];
-    for (int v = 0; v < vectors; ++v) key[v] = load_bf16(keys + j * D + LANES * v);
-    for (int h = 0; h < HEADS; ++h) {
-      __m512 dot = _mm512_mul_ps(query[h][0], key[0]);
-      for (int v = 1; v < vectors; ++v) dot = _mm512_fmadd_ps(query[h][v], key[v], dot);
-      scores[h * count + j] = _mm512_reduce_add_ps(dot) * scale;
+  for (int64_t j0 = 0; j0 < count; j0 += LANES) {  // 16 keys at a time: each head's 16 dot products in one tree
+    const int64_t keys_here = std::min<int64_t>(LANES, count - j0);
+    __m512 dots[HEADS][LANES];
+    for (int j = 0; j < LANES; ++j) {
+      if (j >= keys_here) {  // past the last key: nothing is read there
+        for (int h = 0; h < HEADS; ++h) dots[h][j] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 key[SLOTS];
+      for (int v = 0; v < vectors; ++v) key[v] = load_bf16(keys + (j0 + j) * D + LANES * v);
+      for (int h = 0; h < HEADS; ++h) {
+        __m512 dot = _mm512_mul_ps(query[h][0], key[0]);
+        for (int v = 1; v < vectors; ++v) dot = _mm512_fmadd_ps(query[h][v], key[v], dot);
+        dots[h][j] = dot;
+      }
     }
+    const __mmask16 live = keys_here == LANES ? 0xFFFF : (__mmask16)((1u << keys_here) - 1);
+    for (int h = 0; h < HEADS; ++h)
+      _mm512_mask_storeu_ps(scores + h * count + j0, live, _mm512_mul_ps(sum_lanes(dots[h]), _mm512_set1_ps(scale)));
   }
   float totals[HEADS];
   for (int h = 0; h < HEADS; ++h) totals[h] = softmax_numerators(scores + h * count, count);
