@@ -28,6 +28,7 @@ namespace {
 constexpr int STRIP = 64;           // output columns per strip: the layout's block of 64 rows of W
 constexpr int MAX_GROUP_PAIRS = 128;  // k pairs in the largest group (256): 128 x 4 x 64 bytes = 32 KiB
 constexpr int ROW_BLOCK = 4;        // rows whose 4 x 4 fp32 group sums stay in registers
+constexpr int SUM_ROWS = 16;        // rows whose sums over a group of x accumulate side by side
 
 // One strip's group, its 4-bit integers centred (q - 8, exact in bf16): per k pair, four vectors of 16
 // columns x (k, k+1), the pairs vdpbf16ps multiplies.
@@ -184,11 +185,19 @@ at::Tensor int4_bf16dot_mm(const at::Tensor& x, const at::Tensor& packed, const 
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const int64_t groups = K / group_size;
-  // Each row's sum over each group, in order: the offset's share of the product.
-  std::vector<float> row_sums(M * groups, 0.0f);
+  // Each row's sum over each group, in order: the offset's share of the product. Rows go SUM_ROWS at a time with
+  // their sums side by side, so that the additions of different rows overlap instead of waiting on each other.
+  std::vector<float> row_sums(M * groups);
   const auto* x_ptr = x.data_ptr<at::BFloat16>();
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t k = 0; k < K; ++k) row_sums[r * groups + k / group_size] += static_cast<float>(x_ptr[r * K + k]);
+  for (int64_t r0 = 0; r0 < M; r0 += SUM_ROWS) {
+    const int64_t rows = std::min<int64_t>(SUM_ROWS, M - r0);
+    for (int64_t g = 0; g < groups; ++g) {
+      float sums[SUM_ROWS] = {};
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
+        for (int64_t r = 0; r < rows; ++r) sums[r] += static_cast<float>(x_ptr[(r0 + r) * K + k]);
+      for (int64_t r = 0; r < rows; ++r) row_sums[(r0 + r) * groups + g] = sums[r];
+    }
+  }
   const auto* bytes = packed.data_ptr<uint8_t>();
   const auto* params = scales_and_offsets.data_ptr<at::BFloat16>();
   auto* out_ptr = out.data_ptr<at::BFloat16>();
