@@ -1,11 +1,13 @@
 """The asyncio batching queue between the HTTP handlers and the model.
 
 Handlers `submit` requests into a bounded queue and `wait` for their drafts; one task takes up to
-max_batch_size queued requests (waiting at most max_wait_ms for more once it has one) and runs the
-draft function on them in one worker thread, so the model drafts one batch at a time.
+max_batch_size queued requests (waiting at most max_wait_ms for more once it has one, and up to
+regroup_wait_ms while it holds fewer than the last few batches did) and runs the draft function on them in
+one worker thread, so the model drafts one batch at a time.
 """
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -17,6 +19,8 @@ import draft_model
 from metrics import Metrics
 
 log = logging.getLogger("draft_server")
+
+RECENT_BATCHES = 4  # batches whose largest size a new batch waits (regroup_wait_ms) to reach
 
 
 class Unavailable(Exception):
@@ -76,6 +80,7 @@ class Batcher:
         *,
         max_batch_size: int,
         max_wait_ms: float,
+        regroup_wait_ms: float,
         max_queue: int,
         queue_deadline_s: float,
         metrics: Metrics,
@@ -83,6 +88,9 @@ class Batcher:
         self.draft_fn = draft_fn
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
+        self.regroup_wait_s = regroup_wait_ms / 1000
+        # The sizes of the last few batches: their clients tend to come back together, a few ms apart.
+        self.recent_sizes: collections.deque[int] = collections.deque(maxlen=RECENT_BATCHES)
         self.queue_deadline_s = queue_deadline_s
         self.metrics = metrics
         self.queue: asyncio.Queue[PendingDraft] = asyncio.Queue(maxsize=max_queue)
@@ -158,22 +166,28 @@ class Batcher:
                     self.queue.task_done()
 
     async def _next_batch(self) -> list[PendingDraft]:
-        """Wait for one request, then take more until the batch is full or max_wait has passed."""
+        """Wait for one request, then take more until the batch is full or the wait is over: max_wait, or
+        regroup_wait while the batch holds fewer than the largest of the last few. Clients answered by one
+        batch send their next requests a few milliseconds apart; without the regroup wait the last of them
+        miss the batch and cost a batch of their own, and a round of requests stays split from then on."""
         batch = [await self.queue.get()]
-        deadline = time.monotonic() + self.max_wait_s
+        started = time.monotonic()
         while len(batch) < self.max_batch_size:
             try:
                 batch.append(self.queue.get_nowait())
                 continue
             except asyncio.QueueEmpty:
                 pass
-            remaining = deadline - time.monotonic()
+            regrouping = len(batch) < max(self.recent_sizes, default=0)
+            wait = max(self.max_wait_s, self.regroup_wait_s) if regrouping else self.max_wait_s
+            remaining = started + wait - time.monotonic()
             if remaining <= 0:
                 break
             try:
                 batch.append(await asyncio.wait_for(self.queue.get(), remaining))
             except TimeoutError:
                 break
+        self.recent_sizes.append(len(batch))
         return batch
 
     async def _draft(self, batch: list[PendingDraft]) -> None:

@@ -8,7 +8,8 @@
 #
 # Environment -> server.py flag (unset or empty: the server's default; see `python server.py --help`):
 #   MODEL_DIR -> --model-dir (default ./model, relative to the repository)   HOST -> --host   PORT -> --port
-#   MAX_BATCH_SIZE -> --max-batch-size   MAX_WAIT_MS -> --max-wait-ms   MAX_QUEUE -> --max-queue
+#   MAX_BATCH_SIZE -> --max-batch-size   MAX_WAIT_MS -> --max-wait-ms   REGROUP_WAIT_MS -> --regroup-wait-ms
+#   MAX_QUEUE -> --max-queue
 #   MAX_DRAFT_TOKENS -> --max-draft-tokens   MIN_CONFIDENCE -> --min-confidence   LOOKUP_MIN_MATCH -> --lookup-min-match
 #   CACHE_SLOTS -> --cache-slots   MAX_CONTEXT -> --max-context
 #   DEVICE -> --device   DTYPE -> --dtype   WEIGHTS -> --weights   THREADS -> --threads
@@ -66,6 +67,7 @@ add_flag --host "${HOST:-}"
 add_flag --port "${PORT:-}"
 add_flag --max-batch-size "${MAX_BATCH_SIZE:-}"
 add_flag --max-wait-ms "${MAX_WAIT_MS:-}"
+add_flag --regroup-wait-ms "${REGROUP_WAIT_MS:-}"
 add_flag --max-queue "${MAX_QUEUE:-}"
 add_flag --max-draft-tokens "${MAX_DRAFT_TOKENS:-}"
 add_flag --min-confidence "${MIN_CONFIDENCE:-}"

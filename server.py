@@ -48,7 +48,15 @@ log = logging.getLogger("draft_server")
 RETRY_AFTER_SECONDS = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up first: counted in /metrics, never sent
 REPLICA_HEADER = "X-Draft-Replica"
-HEALTH_LIMITS = ("max_draft_tokens", "max_batch_size", "max_wait_ms", "max_queue", "queue_deadline_s", "max_body_bytes")
+HEALTH_LIMITS = (
+    "max_draft_tokens",
+    "max_batch_size",
+    "max_wait_ms",
+    "regroup_wait_ms",
+    "max_queue",
+    "queue_deadline_s",
+    "max_body_bytes",
+)
 
 
 # ----------------------------------------------------------------------------- request / response
@@ -110,6 +118,7 @@ class DraftService:
             functools.partial(draft_requests, self.drafter),
             max_batch_size=self.settings.max_batch_size,
             max_wait_ms=self.settings.max_wait_ms,
+            regroup_wait_ms=self.settings.regroup_wait_ms,
             max_queue=self.settings.max_queue,
             queue_deadline_s=self.settings.queue_deadline_s,
             metrics=self.metrics,

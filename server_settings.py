@@ -63,6 +63,14 @@ class ServerSettings:
     max_wait_ms: float = setting(
         "how long a started batch waits for more requests", 2.0, parse=float, check=at_least(0)
     )
+    regroup_wait_ms: float = setting(
+        "how long a started batch may wait for more requests while it holds fewer than the largest of the last "
+        "few batches: clients answered together come back milliseconds apart, and the last would otherwise cost "
+        "a batch of their own (0: only max_wait_ms)",
+        30.0,
+        parse=float,
+        check=at_least(0),
+    )
     max_queue: int = setting(
         "requests that may wait for the batcher; beyond it: 503", 256, parse=int, check=at_least(1)
     )

@@ -426,7 +426,7 @@ def test_sigterm_under_load_finishes_queued_requests_and_exits_0(repo_root, tiny
 def in_process_batcher(model_dir: Path, **limits) -> Batcher:
     """The server's batcher around an fp32 drafter in this process (call inside a running event loop)."""
     drafter = draft_model.load_model(model_dir, "cpu", "float32", cache_slots=8)
-    settings = {"max_wait_ms": 20, "max_queue": 16, "queue_deadline_s": 60} | limits
+    settings = {"max_wait_ms": 20, "regroup_wait_ms": 0, "max_queue": 16, "queue_deadline_s": 60} | limits
     return Batcher(functools.partial(draft_requests, drafter), metrics=Metrics(settings["max_batch_size"]), **settings)
 
 
@@ -453,6 +453,35 @@ def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, referenc
         assert "999" in str(failure) and "vocabulary" in str(failure)
     assert healthy == reference([1, 2, 3], max_tokens=4)
     assert metrics.registry.get_sample_value("draft_server_failed_batches_total") == 1
+
+
+def test_a_batch_waits_for_the_clients_of_the_previous_batch_but_not_forever(tiny_checkpoint: Path, reference):
+    """Requests 50 ms apart, past max_wait_ms: they still share a batch while it holds fewer than the previous
+    batch did (regroup_wait_ms), and once that wait is over the batch goes without them."""
+
+    async def scenario():
+        batcher = in_process_batcher(tiny_checkpoint, max_batch_size=4, max_wait_ms=5, regroup_wait_ms=400)
+        batcher.start()
+        sizes = batcher.metrics.registry.get_sample_value
+
+        async def arrive(seeds: list[int], apart_s: float) -> list:
+            queued = []
+            for seed in seeds:
+                queued.append(submit(batcher, prompt(20, seed=seed), max_tokens=4))
+                await asyncio.sleep(apart_s)
+            return await asyncio.gather(*(batcher.wait(pending) for pending in queued))
+
+        together = await arrive([1, 2, 3], apart_s=0)  # one batch of 3
+        regrouped = await arrive([4, 5, 6], apart_s=0.05)  # 50 ms apart: one batch of 3 again
+        counts = [sizes("draft_server_batch_size_count"), sizes("draft_server_batch_size_sum")]
+        late = await arrive([7, 8], apart_s=0.6)  # past the 400 ms regroup wait: a batch each
+        counts += [sizes("draft_server_batch_size_count"), sizes("draft_server_batch_size_sum")]
+        await batcher.stop()
+        return together + regrouped + late, counts
+
+    drafts, counts = asyncio.run(scenario())
+    assert counts == [2, 6, 4, 8]
+    assert drafts == [reference(prompt(20, seed=seed), max_tokens=4) for seed in range(1, 9)]
 
 
 def test_cancelled_requests_are_skipped_and_stop_drains_the_queue(tiny_checkpoint: Path, reference):
