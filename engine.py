@@ -4,9 +4,10 @@ Every token's keys, values and logits are computed the same way whichever call c
 draft depends only on its own tokens and settings, never on its batch-mates or on the cache:
 
 * a prefill cuts positions into chunks aligned to absolute positions (planning.py). A complete chunk
-  takes the dense-weight path and the model-dtype SDPA kernel; the positions of a sequence's last,
-  incomplete chunk take the INT4 kernel and block_attention (transformer.py), exactly as a decode step
-  computes a token, so the cache can reuse a draft the previous call fed.
+  takes the dense-weight path and chunk attention (the CPU chunk kernel, else SDPA in the model's dtype);
+  the positions of a sequence's last, incomplete chunk take the INT4 kernel and the few-query attention
+  (the CPU query kernel, else block_attention: transformer.py), exactly as a decode step computes a token,
+  so the cache can reuse a draft the previous call fed.
 * the cache reuses a prefix only where it was computed the way this request would compute it
   (KVCache.reusable).
 * a decode step runs in fixed shapes: every row feeds one token, finished and padding rows stay in the

@@ -395,9 +395,8 @@ class Attention(nn.Module):
             slots = plan.write_slots[: plan.dense_rows : CHUNK]  # (chunks,)
             positions = plan.positions[: plan.dense_rows].view(chunks, CHUNK)
             queries = q[: plan.dense_rows].view(chunks, CHUNK, *q.shape[1:])
-            out[: plan.dense_rows] = kernel(queries, cache.keys[layer], cache.values[layer], slots, positions).flatten(
-                0, 1
-            )
+            attended = kernel(queries, cache.keys[layer], cache.values[layer], slots, positions)
+            out[: plan.dense_rows] = attended.flatten(0, 1)  # (chunks, CHUNK, H, D) -> (dense_rows, H, D)
         for segment, mask in zip(plan.segments, plan.masks):
             queries = q[segment.start : segment.stop]  # (T, H, D)
             if segment.complete_chunk and not self.query_kernel:

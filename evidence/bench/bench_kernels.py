@@ -6,9 +6,8 @@ M = 1, 2, 4, 8, 16 rows, and the many-row product of a prefill's complete chunks
 unpacked matmul, the dense kernels' resident matmul) at 64, 512 and 2048 rows; then one layer's attention
 for a decode step of 1-16 rows, a 40-query prefill tail and a complete 64-query chunk, 512 keys behind each
 query, by PyTorch (operators; SDPA for the chunk) and by the CPU attention kernels (attention_kernel.py) where
-they run. Medians of --repeats,
-all in one process; the CPU and the kernel `auto` chooses are printed first. Kernels this CPU lacks are
-left out, by name.
+they run. Medians of --repeats, all in one process; the CPU and the kernel `auto` chooses are printed first.
+Kernels this CPU lacks are left out, by name.
 
 Reads nothing. Writes a table to stdout (and with --json the figures).
 
