@@ -54,7 +54,6 @@ def plan_for(
         window = chunk_end(piece.start, capacity)
         segments.append(Segment(start, len(positions), slots[piece.row], piece.start, window, piece.complete))
     dense_rows = sum(piece.stop - piece.start for piece in pieces if piece.complete)
-    masks = [segment.mask(device) if segment.complete_chunk else None for segment in segments]
     outputs = None
     if wanted is not None and any(wanted):  # a forward that ends no row computes its last layer whole
         kept = [segment for segment, want in zip(segments, wanted) if want]
@@ -65,8 +64,7 @@ def plan_for(
         torch.tensor(write_slots, device=device),
         segments,
         dense_rows,
-        masks,
-        outputs,
+        outputs=outputs,
     )
 
 

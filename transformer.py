@@ -4,7 +4,7 @@ config -> primitives (RMSNorm, RoPE) -> LoRA and fused projections -> attention,
 Module names mirror transformers', so checkpoint keys map 1:1; checkpoint.py builds and loads it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -286,8 +286,14 @@ class Plan:
     write_slots: torch.Tensor  # (N,) the cache slot receiving each token's keys and values
     segments: list[Segment]
     dense_rows: int  # tokens 0..dense_rows-1 fill complete chunks and take the dense-weight path
-    masks: list[torch.Tensor | None]  # each complete chunk's Segment.mask, made once for every layer
     outputs: Outputs | None = None  # the tokens whose final hidden states the forward returns; None: all
+    # Segment i's mask for SDPA, made at its first use and kept for every layer (the CPU kernels need none).
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, i: int, device: torch.device) -> torch.Tensor:
+        if i not in self.masks:
+            self.masks[i] = self.segments[i].mask(device)
+        return self.masks[i]
 
 
 @dataclass
@@ -410,11 +416,11 @@ class Attention(nn.Module):
             queries = q[: plan.dense_rows].view(chunks, CHUNK, *q.shape[1:])
             attended = kernel(queries, cache.keys[layer], cache.values[layer], slots, positions)
             out[: plan.dense_rows] = attended.flatten(0, 1)  # (chunks, CHUNK, H, D) -> (dense_rows, H, D)
-        for segment, mask in zip(plan.segments, plan.masks):
+        for i, segment in enumerate(plan.segments):
             queries = q[segment.start : segment.stop]  # (T, H, D)
             if segment.complete_chunk and not self.query_kernel:
                 keys, values = cache.window(layer, segment.slot, segment.window)  # views of the slot: no copy
-                out[segment.start : segment.stop] = chunk_attention_sdpa(queries, keys, values, mask)
+                out[segment.start : segment.stop] = chunk_attention_sdpa(queries, keys, values, plan.mask(i, q.device))
             elif not segment.complete_chunk:
                 slots = plan.write_slots[segment.start : segment.start + 1]
                 positions = plan.positions[None, segment.start : segment.stop]
