@@ -218,6 +218,12 @@ BF16DOT_SOURCE = Path(__file__).with_name("int4_bf16dot.cpp")
 BF16DOT_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 
+# at::parallel_for is OpenMP in PyTorch's CPU builds: compiled without -fopenmp its pragma is ignored and every
+# kernel runs on one thread whatever torch.set_num_threads says. The link names libgomp.so.1, which the loader
+# resolves to the copy torch has already loaded (same soname), so torch's thread setting governs the kernels.
+OPENMP_FLAGS = ["-fopenmp"]
+
+
 def build_cpu_kernel(kernel: str, name: str, source: Path, cflags: list[str], fallback: str, fake: dict) -> str | None:
     """Build and load one of this project's C++ CPU kernels (torch.utils.cpp_extension: a C++ compiler and ninja;
     the first build takes seconds, later processes reuse torch's extension cache) and register the output shapes
@@ -226,7 +232,13 @@ def build_cpu_kernel(kernel: str, name: str, source: Path, cflags: list[str], fa
     from torch.utils import cpp_extension
 
     try:
-        cpp_extension.load(name, [str(source)], extra_cflags=cflags, is_python_module=False)
+        cpp_extension.load(
+            name,
+            [str(source)],
+            extra_cflags=[*cflags, *OPENMP_FLAGS],
+            extra_ldflags=OPENMP_FLAGS,
+            is_python_module=False,
+        )
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
         problem = (str(error).strip().splitlines() or [type(error).__name__])[0]
         log.warning("the %s kernel could not be built, %s instead: %s", kernel, fallback, problem)

@@ -6,6 +6,10 @@ the same row multiplied alone. A kernel that fails it is dropped, not the rule l
 in a batch must stay identical.
 """
 
+import ast
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny_models import write_default_path_package
@@ -196,3 +200,59 @@ def test_auto_loads_the_kernel_auto_chooses(tmp_path):
     assert described["name"].split("+")[0] == int4.choose_cpu_kernel("auto")  # + int4pack for narrow layers
     assert described["cpu"] == int4.cpu_description()
     assert described["attention"] == attention_kernel.cpu_choice()
+
+
+# Run in a process of its own, so that no other thread of the test session spends CPU time while it measures.
+SECOND_THREAD_PROBE = """
+import os, sys, threading, time
+import torch
+import attention_kernel, int4
+
+def other_threads_cpu_s():
+    main, total = str(threading.get_native_id()), 0
+    for tid in os.listdir("/proc/self/task"):
+        if tid != main:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+def second_thread_share(kernel, *arguments):
+    kernel(*arguments)
+    before, started = other_threads_cpu_s(), time.perf_counter()
+    while time.perf_counter() - started < 1.0:
+        kernel(*arguments)
+    return (other_threads_cpu_s() - before) / (time.perf_counter() - started)
+
+torch.set_num_threads(2)
+generator = torch.Generator().manual_seed(0)
+shares = {}
+if int4.packed_cpu_kernel() == "int4-bf16dot":
+    packed = torch.randint(0, 256, (8192, 288), dtype=torch.uint8, generator=generator)
+    params = torch.randn(9, 8192, 2, generator=generator).bfloat16()
+    x = torch.randn(16, 576, generator=generator).bfloat16()
+    shares["int4-bf16dot"] = second_thread_share(torch.ops.draft_server.int4_bf16dot_mm, x, packed, params, 64)
+if attention_kernel.wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16):
+    keys = torch.randn(16, 2, 512, 64, generator=generator).bfloat16()
+    q = torch.randn(16, 4, 6, 64, generator=generator).bfloat16()
+    positions = torch.arange(500, 504).repeat(16, 1)
+    shares["query-attention"] = second_thread_share(
+        attention_kernel.query_attention, q, keys, keys, torch.arange(16), positions
+    )
+print(shares)
+"""
+
+
+def test_the_cpu_kernels_share_their_work_with_a_second_thread(repo_root):
+    """With two torch threads, another thread does a real part of each C++ kernel's work (its CPU time during the
+    calls), not the calling thread alone: the kernels are built with OpenMP, which at::parallel_for needs."""
+    result = subprocess.run(
+        [sys.executable, "-c", SECOND_THREAD_PROBE], cwd=repo_root, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    shares = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    if not shares:
+        pytest.skip(f"neither C++ kernel runs on this CPU: it has {int4.cpu_description()}")
+    for kernel, share in shares.items():
+        # A second core that works alongside takes about half of each call; 0.15 leaves room for a busy machine.
+        assert share > 0.15, f"{kernel}: other threads worked {share:.0%} of the time (two torch threads)"
