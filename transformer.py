@@ -40,16 +40,23 @@ class ModelConfig:
 # Primitives
 
 
-@torch.library.custom_op("draft_server_norm::rms_norm", mutates_args=())
-def normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dimension, rounded to x's dtype: PyTorch's fused kernel, which computes in fp32
-    whatever x's dtype. An operator of its own, so that a compiled step calls this same kernel: inductor would
-    fuse it with the residual add before it and sum the squares in another order, a last-bit difference
-    from the eager step that a near-tie turns into another token."""
+    whatever x's dtype."""
     return F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
-@normalised.register_fake
+# RMSNorm's normalisation is an operator of its own, so that a compiled step calls this same kernel: inductor
+# would fuse it with the residual add before it and sum the squares in another order, a last-bit difference
+# from the eager step that a near-tie turns into another token. It is registered with torch.library's plain
+# API: torch.library.custom_op's Python wrapper costs more than the kernel at a decode step's sizes.
+_NORM_LIBRARY = torch.library.Library("draft_server_norm", "DEF")
+_NORM_LIBRARY.define("rms_norm(Tensor x, float eps) -> Tensor")
+_NORM_LIBRARY.impl("rms_norm", _normalise, "CompositeExplicitAutograd")
+normalised = torch.ops.draft_server_norm.rms_norm.default
+
+
+@torch.library.register_fake("draft_server_norm::rms_norm")
 def _normalised_shape(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x)
 
