@@ -243,9 +243,11 @@ print(shares)
 """
 
 
-def test_the_cpu_kernels_share_their_work_with_a_second_thread(repo_root):
-    """With two torch threads, another thread does a real part of each C++ kernel's work (its CPU time during the
-    calls), not the calling thread alone: the kernels are built with OpenMP, which at::parallel_for needs."""
+def test_the_cpu_kernels_run_on_the_threads_torch_is_given(repo_root):
+    """With two torch threads, a second thread is at work while each C++ kernel runs (its CPU time during the
+    calls): the kernels open OpenMP parallel regions, which at::parallel_for gives only when they are built with
+    -fopenmp. Built without, every call ran on the calling thread alone. (How much the second thread saves is
+    a benchmark's question: bench_kernels --threads 2.)"""
     result = subprocess.run(
         [sys.executable, "-c", SECOND_THREAD_PROBE], cwd=repo_root, capture_output=True, text=True, timeout=600
     )
@@ -254,5 +256,5 @@ def test_the_cpu_kernels_share_their_work_with_a_second_thread(repo_root):
     if not shares:
         pytest.skip(f"neither C++ kernel runs on this CPU: it has {int4.cpu_description()}")
     for kernel, share in shares.items():
-        # A second core that works alongside takes about half of each call; 0.15 leaves room for a busy machine.
-        assert share > 0.15, f"{kernel}: other threads worked {share:.0%} of the time (two torch threads)"
+        # A working (or waiting, spinning) second thread is busy most of the time; without one, about 1%.
+        assert share > 0.15, f"{kernel}: other threads were busy {share:.0%} of the time (two torch threads)"
