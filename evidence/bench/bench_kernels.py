@@ -6,12 +6,14 @@ M = 1, 2, 4, 8, 16 rows, and the many-row product of a prefill's complete chunks
 unpacked matmul, the dense kernels' resident matmul) at 64, 512 and 2048 rows; then one layer's attention
 for a decode step of 1-16 rows, a 40-query prefill tail and a complete 64-query chunk, 512 keys behind each
 query, by PyTorch (operators; SDPA for the chunk) and by the CPU attention kernels (attention_kernel.py) where
-they run. Medians of --repeats, all in one process; the CPU and the kernel `auto` chooses are printed first.
-Kernels this CPU lacks are left out, by name.
+they run. Medians of --repeats, all in one process; with several --threads, each repeat times every thread count
+in turn, so a busy moment of a shared machine falls on all of them alike. The CPU and the kernel `auto` chooses
+are printed first. Kernels this CPU lacks are left out, by name.
 
 Reads nothing. Writes a table to stdout (and with --json the figures).
 
     python -m evidence.bench.bench_kernels --shape qwen3-180m --threads 1
+    python -m evidence.bench.bench_kernels --shape smollm2-135m --threads 1 2   # a second core, side by side
 """
 
 import argparse
@@ -68,18 +70,29 @@ def random_layer(in_features: int, out_features: int) -> int4.Int4Linear:
     return layer
 
 
-def median_ms(run, x: torch.Tensor, repeats: int) -> float:
-    run(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_ms(run, x: torch.Tensor, repeats: int, threads: list[int]) -> dict[int, float]:
+    """Per thread count, the median milliseconds of run(x), the thread counts taking turns within each repeat."""
+    times = {count: [] for count in threads}
+    for count in threads:
+        torch.set_num_threads(count)
         run(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    for _ in range(repeats):
+        for count in threads:
+            torch.set_num_threads(count)
+            start = time.perf_counter()
+            run(x)
+            times[count].append(time.perf_counter() - start)
+    return {count: statistics.median(seconds) * 1e3 for count, seconds in times.items()}
+
+
+def by_threads(cells: dict[str, dict[int, float]]) -> dict[int, dict[str, float]]:
+    """{cell: {threads: ms}} -> {threads: {cell: ms}}, one table row per thread count."""
+    counts = next(iter(cells.values())).keys()
+    return {count: {cell: figures[count] for cell, figures in cells.items()} for count in counts}
 
 
 @torch.inference_mode()
-def time_kernel(name: str, layer: int4.Int4Linear, repeats: int) -> dict[str, float]:
+def time_kernel(name: str, layer: int4.Int4Linear, repeats: int, threads: list[int]) -> dict[int, dict[str, float]]:
     """Milliseconds per call of kernel `name` on `layer`: few rows (a decode step) and many (complete chunks)."""
     kernel = int4.CPU_KERNELS[name]
     if kernel.weights == "packed":
@@ -94,11 +107,11 @@ def time_kernel(name: str, layer: int4.Int4Linear, repeats: int) -> dict[str, fl
     figures = {}
     for rows in FEW_ROWS:
         x = torch.randn(rows, layer.in_features).to(dtype)
-        figures[f"M={rows}"] = median_ms(few, x, repeats)
+        figures[f"M={rows}"] = median_ms(few, x, repeats, threads)
     for rows in MANY_ROWS:
         x = torch.randn(rows, layer.in_features).to(dtype)
-        figures[f"M={rows} (chunks)"] = median_ms(many, x, max(1, repeats // 3))
-    return figures
+        figures[f"M={rows} (chunks)"] = median_ms(many, x, max(1, repeats // 3), threads)
+    return by_threads(figures)
 
 
 def gathered_attention(q, keys, values, slots, positions, window: int) -> torch.Tensor:
@@ -114,7 +127,7 @@ def sdpa_chunk(q, keys, values, slots, positions) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def time_attention(shape: str, repeats: int) -> dict[str, dict[str, float]]:
+def time_attention(shape: str, repeats: int, threads: list[int]) -> dict[str, dict[int, dict[str, float]]]:
     """Milliseconds per layer call of a decode step's attention (rows of one query), of a prefill tail (one row of
     40 queries) and of a complete chunk (64 queries), CONTEXT keys behind each: by PyTorch (transformer.block_attention
     on the gathered window; SDPA for the chunk) and, where they run, by the CPU kernels reading the cache in place."""
@@ -132,30 +145,36 @@ def time_attention(shape: str, repeats: int) -> dict[str, dict[str, float]]:
         label = f"M={rows}" if queries == 1 else f"tail of {queries}" if queries < CHUNK else "chunk"
         where = {"keys": cache[0], "values": cache[1], "slots": slots, "positions": positions}
         torch_way = sdpa_chunk if queries == CHUNK else functools.partial(gathered_attention, window=window)
-        figures["torch"][label] = median_ms(functools.partial(torch_way, **where), q, repeats)
+        figures["torch"][label] = median_ms(functools.partial(torch_way, **where), q, repeats, threads)
         if query_kernel:
             figures["query-kernel"][label] = median_ms(
-                functools.partial(attention_kernel.query_attention, **where), q, repeats
+                functools.partial(attention_kernel.query_attention, **where), q, repeats, threads
             )
         if chunk_kernel and queries == CHUNK:
             figures["chunk-kernel"][label] = median_ms(
-                functools.partial(attention_kernel.chunk_attention, **where), q, repeats
+                functools.partial(attention_kernel.chunk_attention, **where), q, repeats, threads
             )
-    return {name: cells for name, cells in figures.items() if cells}
+    return {name: by_threads(cells) for name, cells in figures.items() if cells}
+
+
+def print_rows(label: str, figures: dict[int, dict[str, float]]) -> None:
+    for count, cells in figures.items():
+        row = "  ".join(f"{rows} {ms:7.2f}" for rows, ms in cells.items())
+        print(f"{label} {count} thread(s) ms: {row}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-180m", choices=list(SHAPES), help="the model whose layers to time")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch thread counts, timed in turn")
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per cell (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    if args.threads < 1 or args.repeats < 1:
+    if min(args.threads) < 1 or args.repeats < 1:
         parser.error("--threads and --repeats must be at least 1")
-    torch.set_num_threads(args.threads)
+    threads = list(dict.fromkeys(args.threads))
     print(
-        f"CPU flags: {int4.cpu_description()}; {args.threads} thread(s); auto chooses {int4.choose_cpu_kernel('auto')}; "
+        f"CPU flags: {int4.cpu_description()}; threads {', '.join(map(str, threads))}; auto chooses {int4.choose_cpu_kernel('auto')}; "
         f"attention auto: {attention_kernel.cpu_choice()}"
     )
     shipped = []
@@ -168,14 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     for layer_name, (in_features, out_features) in layers(args.shape).items():
         layer = random_layer(in_features, out_features)
         for name in shipped:
-            figures = time_kernel(name, layer, args.repeats)
-            results[f"{layer_name} {name}"] = figures
-            cells = "  ".join(f"{rows} {ms:7.2f}" for rows, ms in figures.items())
-            print(f"{args.shape} {layer_name:8s} {in_features}x{out_features} {name:10s} ms: {cells}", flush=True)
-    for name, figures in time_attention(args.shape, args.repeats).items():
+            results[f"{layer_name} {name}"] = figures = time_kernel(name, layer, args.repeats, threads)
+            print_rows(f"{args.shape} {layer_name:8s} {in_features}x{out_features} {name:10s}", figures)
+    for name, figures in time_attention(args.shape, args.repeats, threads).items():
         results[f"attention {name}"] = figures
-        cells = "  ".join(f"{rows} {ms:7.2f}" for rows, ms in figures.items())
-        print(f"{args.shape} attention over {CONTEXT} keys {name:12s} ms: {cells}", flush=True)
+        print_rows(f"{args.shape} attention over {CONTEXT} keys {name:12s}", figures)
     if args.json:
         temporary = args.json.with_name(args.json.name + ".tmp")
         temporary.write_text(json.dumps({"argv": sys.argv[1:], "cpu": int4.cpu_description(), "ms": results}))
