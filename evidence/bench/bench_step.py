@@ -14,7 +14,8 @@ call cancel out. Times are medians of --repeats follow-up calls
 writes nothing but --json.
 
     python -m evidence.bench.bench_step --model model --batch 1 16 --k 16 --threads 1
-    python -m evidence.bench.bench_step --model model --weights dequant --dtype bfloat16   # the layout CUDA runs
+    python -m evidence.bench.bench_step --model model --weights dequant --dtype bfloat16 --attention-kernel torch
+    python -m evidence.bench.bench_step --model model --int4-kernels int4pack --attention-kernel torch   # CUDA's layouts
     python -m evidence.bench.bench_step --model model --batch 1 8 16 --int4-kernels int4pack int4-bf16dot
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
+import attention_kernel
 import draft_model
 import int4
 from evidence import common
@@ -150,6 +152,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", *int4.PACKED_CPU_KERNELS),
         help="packed CPU kernels to measure, one after the other in this run (auto: the one the loader picks)",
     )
+    parser.add_argument(
+        "--attention-kernel",
+        default="auto",
+        choices=attention_kernel.ATTENTION_KERNELS,
+        help="how queries attend (torch: PyTorch's operators, the layout CUDA runs)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.k < 2:
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
             cache_slots=SLOTS_PER_ROW * max(args.batch),
             max_context=args.prompt_tokens + 2 * args.k,
             int4_kernel=kernel,
+            attention_kernel=args.attention_kernel,
             **compiled,
         )
         name = drafter.kernel()["name"]
