@@ -204,7 +204,7 @@ def test_auto_loads_the_kernel_auto_chooses(tmp_path):
 
 # Run in a process of its own, so that no other thread of the test session spends CPU time while it measures.
 SECOND_THREAD_PROBE = """
-import os, sys, threading, time
+import os, threading, time
 import torch
 import attention_kernel, int4
 
