@@ -142,16 +142,23 @@ KERNEL_ROWS = 4  # rows per CPU kernel call on a large layer (see Int4Linear.ker
 LARGE_LAYER_BYTES = 8 * 2**20  # packed bytes from which a layer counts as large
 
 
-def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
-    """a (..., M, K) @ b (..., K, N), `block` rows of a at a time (the last block zero-padded), so each row's
-    result is that of the same (block, K) x (K, N) product whatever M is. BLAS libraries choose kernels, and
-    with several threads split the K reduction, by the sizes of the whole product."""
-    rows = a.shape[-2]
-    if rows % block:
-        a = torch.nn.functional.pad(a, (0, 0, 0, block - rows % block))
-    if a.shape[-2] == block:  # one block: one product (a decode step's rows fit in one)
-        return (a @ b)[..., :rows, :]
-    return torch.cat([part @ b for part in a.split(block, dim=-2)], dim=-2)[..., :rows, :]
+def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a (M, K) @ b (K, N), `block` rows of a at a time (the last block zero-padded), so each row's result is
+    that of the same (block, K) x (K, N) product whatever M is. BLAS libraries choose kernels, and with several
+    threads split the K reduction, by the sizes of the whole product. With `out` (an (M, N) view, such as some
+    columns of a wider output) the blocks are written there, in place of a new tensor made by concatenation:
+    the same products, so the same bits."""
+    rows = a.shape[0]
+    if out is None:
+        out = a.new_empty(rows, b.shape[1])
+    for start in range(0, rows, block):
+        part = a[start : start + block]
+        if part.shape[0] == block:
+            torch.matmul(part, b, out=out[start : start + block])
+        else:
+            padded = torch.nn.functional.pad(part, (0, 0, 0, block - part.shape[0]))
+            out[start:] = (padded @ b)[: part.shape[0]]
+    return out
 
 
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")  # what the choice reads
@@ -485,21 +492,29 @@ class Int4Linear(nn.Module):
         if not self.dense_prefill:
             dense_rows = 0
         leading, x = x.shape[:-1], x.reshape(-1, self.in_features)
-        parts = []
         if dense_rows:
-            # Unpacked a block of output rows at a time, so the temporaries stay small (a whole fused
-            # layer at once is fresh pages on every call).
-            blocks = range(0, self.out_features, DENSE_PREFILL_BLOCK)
-            dtype = dense_matmul_dtype()
-            dense = x[:dense_rows].to(dtype)
-            stops = [min(b + DENSE_PREFILL_BLOCK, self.out_features) for b in blocks]
-            weights = [self.dense_weight(b, stop, dtype, lora).t() for b, stop in zip(blocks, stops)]  # (K, rows) each
-            out = torch.cat([blockwise_matmul(dense, weight, DENSE_ROW_BLOCK) for weight in weights], dim=-1)
-            parts.append(out.to(x.dtype))
-        if dense_rows < x.shape[0]:
-            parts.append(self.kernel(x[dense_rows:], side))
-        out = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*leading, self.out_features)
+            out = x.new_empty(x.shape[0], self.out_features)
+            self.dense_product(x[:dense_rows], lora, out[:dense_rows])
+            if dense_rows < x.shape[0]:
+                out[dense_rows:] = self.kernel(x[dense_rows:], side)
+        else:
+            out = self.kernel(x, side)
+        out = out.view(*leading, self.out_features)
         return out + self.bias if self.bias is not None else out
+
+    def dense_product(self, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
+        """out (M, N) = x (M, K) through the unpacked weight (with `lora` merged), DENSE_ROW_BLOCK rows at a time.
+        The weight is unpacked a block of output rows at a time, so the temporaries stay small (a whole fused
+        layer at once is fresh pages on every call), and each block's products go straight to their columns."""
+        dtype = dense_matmul_dtype()
+        dense = x.to(dtype)
+        products = out if dtype == x.dtype else dense.new_empty(out.shape)
+        for start in range(0, self.out_features, DENSE_PREFILL_BLOCK):
+            stop = min(start + DENSE_PREFILL_BLOCK, self.out_features)
+            weight = self.dense_weight(start, stop, dtype, lora).t()  # (K, stop - start)
+            blockwise_matmul(dense, weight, DENSE_ROW_BLOCK, out=products[:, start:stop])
+        if products is not out:
+            out.copy_(products)
 
     @property
     def fuses_lora(self) -> bool:
