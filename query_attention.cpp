@@ -284,6 +284,18 @@ Call prepare(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& valu
           choose(D, H / H_kv)};
 }
 
+// Calls work(first, step) once per thread, which computes tasks first, first + step, first + 2 step, ...: tasks
+// that read more keys come later (a prefill's chunks in position order, a batch's longer rows), so dealing them
+// in turn balances the threads where contiguous runs would not. Which thread computes a task changes none of
+// its bits.
+template <typename Work>
+void deal_tasks(int64_t tasks, const Work& work) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) work(part, parts);
+  });
+}
+
 }  // namespace
 
 // q (G, T, H, D) bf16; keys, values (S, H_kv, C, D) bf16, a layer's cache; slots (G,) and positions (G, T) int64:
@@ -294,9 +306,9 @@ at::Tensor query_attention(const at::Tensor& q, const at::Tensor& keys, const at
   auto* out = c.out.data_ptr<at::BFloat16>();
   const int64_t heads = c.kernel.heads;
   const int64_t tasks = c.G * c.T * c.H / heads;  // each: `heads` query heads of one query, sharing a kv head
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  deal_tasks(tasks, [&](int64_t first, int64_t step) {
     std::vector<float> scores(heads * c.C);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = first; task < tasks; task += step) {
       const int64_t h = task * heads % c.H, query = task * heads / c.H, g = query / c.T;
       const int64_t kv = (c.slots[g] * c.H_kv + h / (c.H / c.H_kv)) * c.C * c.D;
       c.kernel.query(c.q + task * heads * c.D, c.keys + kv, c.values + kv, c.positions[query] + 1, c.D, c.scale,
@@ -313,30 +325,25 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
   const Call c = prepare(q, keys, values, slots, positions);
   auto* out = c.out.data_ptr<at::BFloat16>();
   const int64_t group = c.H / c.H_kv;
-  // Each task is one chunk's queries over one kv head, its work growing with the chunk's position, and the caller
-  // sends chunks in position order: a thread takes every `parts`-th task rather than a contiguous run, or the
-  // last thread would get the longest chunks. Which thread computes a task changes none of its bits.
-  const int64_t tasks = c.G * c.H_kv, parts = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t end_part) {
+  const int64_t tasks = c.G * c.H_kv;  // each: one chunk's queries over one kv head
+  deal_tasks(tasks, [&](int64_t first, int64_t step) {
     std::vector<float> scores;
     std::vector<uint32_t> pairs;
-    for (int64_t part = first_part; part < end_part; ++part) {
-      for (int64_t task = part; task < tasks; task += parts) {
-        const int64_t g = task / c.H_kv, kv_head = task % c.H_kv;
-        const int64_t* position = c.positions + g * c.T;
-        const int64_t count = *std::max_element(position, position + c.T) + 1;
-        const int64_t stride = (count + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
-        const int64_t kv = (c.slots[g] * c.H_kv + kv_head) * c.C * c.D;
-        scores.resize(c.kernel.heads * stride);
-        pairs.resize(c.D / 2 * stride);
-        pair_keys(c.keys + kv, count, c.D, stride, pairs.data());
-        for (int64_t t = 0; t < c.T; ++t)
-          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += c.kernel.heads) {
-            const int64_t at = ((g * c.T + t) * c.H + h) * c.D;
-            c.kernel.chunk(c.q + at, pairs.data(), stride, c.values + kv, position[t] + 1, c.D, c.scale,
-                           scores.data(), out + at);
-          }
-      }
+    for (int64_t task = first; task < tasks; task += step) {
+      const int64_t g = task / c.H_kv, kv_head = task % c.H_kv;
+      const int64_t* position = c.positions + g * c.T;
+      const int64_t count = *std::max_element(position, position + c.T) + 1;
+      const int64_t stride = (count + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
+      const int64_t kv = (c.slots[g] * c.H_kv + kv_head) * c.C * c.D;
+      scores.resize(c.kernel.heads * stride);
+      pairs.resize(c.D / 2 * stride);
+      pair_keys(c.keys + kv, count, c.D, stride, pairs.data());
+      for (int64_t t = 0; t < c.T; ++t)
+        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += c.kernel.heads) {
+          const int64_t at = ((g * c.T + t) * c.H + h) * c.D;
+          c.kernel.chunk(c.q + at, pairs.data(), stride, c.values + kv, position[t] + 1, c.D, c.scale, scores.data(),
+                         out + at);
+        }
     }
   });
   return c.out;
