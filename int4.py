@@ -149,8 +149,9 @@ def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int, out: torch.Te
     columns of a wider output) the blocks are written there, in place of a new tensor made by concatenation:
     the same products, so the same bits."""
     rows = a.shape[0]
-    if out is None:
-        out = a.new_empty(rows, b.shape[1])
+    if out is None and rows <= block:  # one block (a decode step's rows): one product, no output to fill
+        return (torch.nn.functional.pad(a, (0, 0, 0, block - rows)) @ b)[:rows]
+    out = a.new_empty(rows, b.shape[1]) if out is None else out
     for start in range(0, rows, block):
         part = a[start : start + block]
         if part.shape[0] == block:

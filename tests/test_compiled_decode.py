@@ -138,3 +138,15 @@ def test_compiled_follow_ups_from_the_cache_draft_what_a_cold_call_drafts(packag
             row + tokens[: (turn * 5 + i) % 9] + [(i + turn) % 256]
             for i, (row, (tokens, _)) in enumerate(zip(rows, made))
         ]
+
+
+def test_the_layout_cuda_runs_compiles_on_the_cpu_and_drafts_what_eager_drafts(package):
+    """Dense bf16 weights with the LoRA merged and PyTorch's attention (what WEIGHTS=dequant runs on a GPU): its
+    compiled step, traced on the CPU, drafts what the same layout drafts eagerly, follow-ups from the cache too."""
+    layout = {"weights": "dequant", "dtype": torch.bfloat16, "attention_kernel": "torch", "cache_slots": 32}
+    compiled, eager = (draft_model.load_model(package, compiled=on, **layout) for on in (True, False))
+    rows = rows_spread_over_the_context(compiled.cache.capacity, 5, seed=3)
+    for turn in range(2):
+        made = drafts(compiled, rows)
+        assert made == drafts(eager, rows), f"turn {turn}"
+        rows = [row + tokens[:3] + [i] for i, (row, (tokens, _)) in enumerate(zip(rows, made))]
