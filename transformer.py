@@ -114,9 +114,11 @@ def row_invariant_linear(
     """F.linear whose rows do not depend on how many rows x (N, in) has. The first dense_rows rows (a prefill's
     complete chunks) go DENSE_ROW_BLOCK at a time, which a matmul runs faster per row than the rest's blocks of
     MIN_MATMUL_ROWS; a row takes one or the other by its place in its sequence, never by its batch."""
-    if 0 < dense_rows:
-        rest = [blockwise_matmul(x[dense_rows:], weight.t(), MIN_MATMUL_ROWS)] if dense_rows < x.shape[0] else []
-        out = torch.cat([blockwise_matmul(x[:dense_rows], weight.t(), DENSE_ROW_BLOCK), *rest])
+    if 0 < dense_rows:  # both ways write into one output (blockwise_matmul's out), as Int4Linear's do
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        blockwise_matmul(x[:dense_rows], weight.t(), DENSE_ROW_BLOCK, out=out[:dense_rows])
+        if dense_rows < x.shape[0]:
+            blockwise_matmul(x[dense_rows:], weight.t(), MIN_MATMUL_ROWS, out=out[dense_rows:])
     else:
         out = blockwise_matmul(x, weight.t(), MIN_MATMUL_ROWS)
     return out if bias is None else out + bias
