@@ -138,6 +138,7 @@ INT4_KERNEL_DTYPE = torch.bfloat16  # its fast path; fp32 activations take a muc
 # unpacking the layer to bf16 and one dense matmul is faster (transformer.py decides which rows).
 DENSE_PREFILL_BLOCK = 2048  # output rows unpacked at a time (a multiple of the kernel's 64-row blocks)
 DENSE_ROW_BLOCK = 64  # input rows per unpacked matmul: a prefill's dense rows come in chunks of 64
+WIDE_ROW_BLOCK = 256  # input rows per matmul over runs of complete chunks, where chunk_rows_matmul may take them
 KERNEL_ROWS = 4  # rows per CPU kernel call on a large layer (see Int4Linear.kernel)
 LARGE_LAYER_BYTES = 8 * 2**20  # packed bytes from which a layer counts as large
 
@@ -160,6 +161,37 @@ def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int, out: torch.Te
             padded = torch.nn.functional.pad(part, (0, 0, 0, block - part.shape[0]))
             out[start:] = (padded @ b)[: part.shape[0]]
     return out
+
+
+def chunk_rows_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (M, N) = a (M, K) @ b (K, N) for a prefill's complete chunks (M a multiple of DENSE_ROW_BLOCK, a
+    chunk's rows): WIDE_ROW_BLOCK rows at a time while that many remain, then a chunk at a time. A matmul of more
+    rows runs nearer the core's peak, so this is taken only where the library gives each row the same bits in
+    either block at any place (wide_blocks_keep_rows): a row's bits then follow from its chunk alone, not from
+    the chunks beside it in the forward."""
+    wide = a.shape[0] // WIDE_ROW_BLOCK * WIDE_ROW_BLOCK if wide_blocks_keep_rows(a.shape[1], b) else 0
+    if wide:
+        blockwise_matmul(a[:wide], b, WIDE_ROW_BLOCK, out=out[:wide])
+    if wide < a.shape[0]:
+        blockwise_matmul(a[wide:], b, DENSE_ROW_BLOCK, out=out[wide:])
+
+
+def wide_blocks_keep_rows(K: int, b: torch.Tensor) -> bool:
+    """Does a (WIDE_ROW_BLOCK, K) @ b product give every chunk of its rows the bits that chunk gets as a
+    (DENSE_ROW_BLOCK, K) product of its own? A property of the library's kernels for this shape, layout, dtype,
+    device and thread count, probed once each with random values (a kernel that reduces in another order shows
+    it at once): true of oneDNN's bf16 and fp32 kernels on the CPUs measured, assumed nowhere."""
+    return _wide_blocks_keep_rows(K, tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads())
+
+
+@functools.cache
+def _wide_blocks_keep_rows(K: int, shape: tuple, stride: tuple, dtype, device, threads: int) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(WIDE_ROW_BLOCK, K, generator=generator).to(device, dtype)
+    b = torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(torch.randn(shape, generator=generator))
+    together = a @ b
+    chunks = range(0, WIDE_ROW_BLOCK, DENSE_ROW_BLOCK)
+    return all(torch.equal(together[s : s + DENSE_ROW_BLOCK], a[s : s + DENSE_ROW_BLOCK] @ b) for s in chunks)
 
 
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")  # what the choice reads
@@ -504,7 +536,7 @@ class Int4Linear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def dense_product(self, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
-        """out (M, N) = x (M, K) through the unpacked weight (with `lora` merged), DENSE_ROW_BLOCK rows at a time.
+        """out (M, N) = x (M, K), a prefill's complete chunks, through the unpacked weight (with `lora` merged).
         The weight is unpacked a block of output rows at a time, so the temporaries stay small (a whole fused
         layer at once is fresh pages on every call), and each block's products go straight to their columns."""
         dtype = dense_matmul_dtype()
@@ -513,7 +545,7 @@ class Int4Linear(nn.Module):
         for start in range(0, self.out_features, DENSE_PREFILL_BLOCK):
             stop = min(start + DENSE_PREFILL_BLOCK, self.out_features)
             weight = self.dense_weight(start, stop, dtype, lora).t()  # (K, stop - start)
-            blockwise_matmul(dense, weight, DENSE_ROW_BLOCK, out=products[:, start:stop])
+            chunk_rows_matmul(dense, weight, out=products[:, start:stop])
         if products is not out:
             out.copy_(products)
 

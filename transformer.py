@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention_kernel import chunk_attention, query_attention
-from int4 import DENSE_ROW_BLOCK, Int4Linear, blockwise_matmul
+from int4 import Int4Linear, blockwise_matmul, chunk_rows_matmul
 from kv_cache import KVCache
 from planning import CHUNK
 
@@ -112,11 +112,12 @@ def row_invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_rows: int = 0
 ) -> torch.Tensor:
     """F.linear whose rows do not depend on how many rows x (N, in) has. The first dense_rows rows (a prefill's
-    complete chunks) go DENSE_ROW_BLOCK at a time, which a matmul runs faster per row than the rest's blocks of
-    MIN_MATMUL_ROWS; a row takes one or the other by its place in its sequence, never by its batch."""
+    complete chunks) go in blocks of whole chunks (int4.chunk_rows_matmul), which a matmul runs faster per row than
+    the rest's blocks of MIN_MATMUL_ROWS; a row takes one or the other by its place in its sequence, never by its
+    batch."""
     if 0 < dense_rows:  # both ways write into one output (blockwise_matmul's out), as Int4Linear's do
         out = x.new_empty(x.shape[0], weight.shape[0])
-        blockwise_matmul(x[:dense_rows], weight.t(), DENSE_ROW_BLOCK, out=out[:dense_rows])
+        chunk_rows_matmul(x[:dense_rows], weight.t(), out=out[:dense_rows])
         if dense_rows < x.shape[0]:
             blockwise_matmul(x[dense_rows:], weight.t(), MIN_MATMUL_ROWS, out=out[dense_rows:])
     else:

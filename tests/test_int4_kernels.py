@@ -79,21 +79,52 @@ def test_int4pack_splits_a_large_layer_into_few_row_calls_with_the_same_bits():
 
 @pytest.mark.parametrize("with_lora", [False, True])
 def test_a_prefills_complete_chunks_are_computed_as_each_chunk_alone(with_lora):
-    """The many-row path: unpacked per call (the adapter merged in), DENSE_ROW_BLOCK rows per matmul."""
+    """The many-row path: unpacked per call (the adapter merged in), in wide blocks of several chunks where the
+    library keeps rows apart (int4.chunk_rows_matmul): six chunks are a wide block and two chunks."""
     layer = random_int4_layer(256, 512, seed=5)
     generator = torch.Generator().manual_seed(6)
     lora = (torch.randn(8, 256, generator=generator), torch.randn(512, 8, generator=generator) * 0.01)
     chunk = int4.DENSE_ROW_BLOCK
-    x = torch.randn(3 * chunk + 5, 256, generator=generator).to(int4.INT4_KERNEL_DTYPE)
-    for chunks in (1, 2, 3):
+    x = torch.randn(6 * chunk + 5, 256, generator=generator).to(int4.INT4_KERNEL_DTYPE)
+    for chunks in (1, 3, 6):
         dense_rows = chunks * chunk
         together = layer(x[:dense_rows], dense_rows, lora if with_lora else None)
         for c in range(chunks):
             rows = slice(c * chunk, (c + 1) * chunk)
             alone = layer(x[rows], chunk, lora if with_lora else None)
             assert torch.equal(together[rows], alone), f"chunk {c} of {chunks}"
-    mixed = layer(x, 2 * chunk)  # complete chunks and a last chunk's rows in one call
-    assert torch.equal(mixed[2 * chunk :], layer(x[2 * chunk :], 0))
+    mixed = layer(x, 6 * chunk)  # complete chunks and a last chunk's rows in one call
+    assert torch.equal(mixed[6 * chunk :], layer(x[6 * chunk :], 0))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wide_blocks_give_each_chunk_the_bits_it_gets_alone(dtype, threads):
+    """chunk_rows_matmul's rows against each chunk's own product, for the model's layer shapes and the layouts
+    the prefill passes (an unpacked weight, a Linear's transposed one)."""
+    chunk, generator, saved = int4.DENSE_ROW_BLOCK, torch.Generator().manual_seed(7), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for K, N in ((576, 960), (576, 2048), (1536, 576)):
+            weight = torch.randn(N, K, generator=generator).to(dtype)
+            x = torch.randn(7 * chunk, K, generator=generator).to(dtype)  # a wide block and three chunks
+            for b in (weight.t(), weight.t().contiguous()):
+                out = x.new_empty(x.shape[0], N)
+                int4.chunk_rows_matmul(x, b, out)
+                for c in range(0, x.shape[0], chunk):
+                    assert torch.equal(out[c : c + chunk], x[c : c + chunk] @ b), f"{K}x{N} rows {c}.."
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_rows_take_chunk_blocks_where_the_library_mixes_them(monkeypatch):
+    """Where the probe finds a wide block's rows differing from their chunks', only chunk-sized blocks are used."""
+    blocks = []
+    monkeypatch.setattr(int4, "wide_blocks_keep_rows", lambda K, b: False)
+    monkeypatch.setattr(int4, "blockwise_matmul", lambda a, b, block, out: blocks.append((len(a), block)))
+    x = torch.zeros(5 * int4.DENSE_ROW_BLOCK, 8)
+    int4.chunk_rows_matmul(x, torch.zeros(8, 4), x.new_empty(len(x), 4))
+    assert blocks == [(len(x), int4.DENSE_ROW_BLOCK)]
 
 
 def test_int4_bf16dot_computes_the_dequantized_product():
