@@ -37,6 +37,7 @@ namespace {
 
 constexpr int LANES = 16;      // fp32 lanes of a zmm register
 constexpr int MAX_VECTORS = 16;  // head_dim up to 256
+constexpr int MAX_QUERIES = 4;   // queries of a chunk the chunk kernel takes at once (choose)
 
 inline __m512 load_bf16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -105,29 +106,41 @@ inline float softmax_numerators(float* scores, int64_t count) {
   return _mm512_reduce_add_ps(sums);
 }
 
-// The weighted values of HEADS query heads that share one kv head, from their softmax numerators (scores, row h
-// at h * stride, keys 0..count-1; sums in totals) and the keys' values (count, D) in bf16 -> out (HEADS, D) in
-// bf16. Each value is converted once for all HEADS; each head's sum runs over j in order.
-template <int VECTORS, int HEADS>
+// acc[r] += weight[r] v_j for the rows r in 0..ROWS-1 that `live` marks, v_j a key's value (D) in bf16, converted
+// once for all of them.
+template <int VECTORS, int ROWS, int SLOTS>
+inline void add_value(__m512 (&acc)[ROWS][SLOTS], const float* weights, int64_t stride, int64_t j,
+                      const at::BFloat16* value, int vectors, const bool* live) {
+  for (int v = 0; v < vectors; ++v) {
+    const __m512 element = load_bf16(value + LANES * v);
+    for (int r = 0; r < ROWS; ++r)
+      if (live == nullptr || live[r]) acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * stride + j]), element, acc[r][v]);
+  }
+}
+
+// The weighted values of ROWS query heads that share one kv head, from their softmax numerators (scores, row r at
+// r * stride, keys 0..counts[r]-1; sums in totals) and the keys' values (count, D) in bf16 -> out[r] (D) in bf16.
+// Each value is converted once for all the rows that use it; each row's sum runs over j in order, so a row's bits
+// do not depend on the rows beside it. Rows of consecutive queries have counts a few apart: keys past a row's
+// count are never read for it (they may be unwritten memory for a query alone).
+template <int VECTORS, int ROWS>
 void weighted_values(const float* scores, int64_t stride, const float* totals, const at::BFloat16* values,
-                     int64_t count, int64_t D, at::BFloat16* out) {
+                     const int64_t* counts, int64_t D, at::BFloat16* const* out) {
   constexpr int SLOTS = VECTORS ? VECTORS : MAX_VECTORS;
   const int vectors = VECTORS ? VECTORS : D / LANES;
-  __m512 acc[HEADS][SLOTS];
-  for (int h = 0; h < HEADS; ++h)
-    for (int v = 0; v < vectors; ++v) acc[h][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < count; ++j) {
-    __m512 weight[HEADS];
-    for (int h = 0; h < HEADS; ++h) weight[h] = _mm512_set1_ps(scores[h * stride + j]);
-    for (int v = 0; v < vectors; ++v) {
-      const __m512 value = load_bf16(values + j * D + LANES * v);
-      for (int h = 0; h < HEADS; ++h) acc[h][v] = _mm512_fmadd_ps(weight[h], value, acc[h][v]);
-    }
+  const int64_t shared = *std::min_element(counts, counts + ROWS), last = *std::max_element(counts, counts + ROWS);
+  __m512 acc[ROWS][SLOTS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < shared; ++j) add_value<VECTORS, ROWS, SLOTS>(acc, scores, stride, j, values + j * D, vectors, nullptr);
+  for (int64_t j = shared; j < last; ++j) {
+    bool live[ROWS];
+    for (int r = 0; r < ROWS; ++r) live[r] = j < counts[r];
+    add_value<VECTORS, ROWS, SLOTS>(acc, scores, stride, j, values + j * D, vectors, live);
   }
-  for (int h = 0; h < HEADS; ++h)
+  for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < vectors; ++v)
-      _mm256_storeu_si256((__m256i*)(out + h * D + LANES * v),
-                          to_bf16(_mm512_div_ps(acc[h][v], _mm512_set1_ps(totals[h]))));
+      _mm256_storeu_si256((__m256i*)(out[r] + LANES * v), to_bf16(_mm512_div_ps(acc[r][v], _mm512_set1_ps(totals[r]))));
 }
 
 // HEADS query heads q (HEADS, D) that share one kv head, over its keys and values (p + 1, D) in bf16 -> out
@@ -163,8 +176,14 @@ void attend(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16*
       _mm512_mask_storeu_ps(scores + h * count + j0, live, _mm512_mul_ps(sum_lanes(dots[h]), _mm512_set1_ps(scale)));
   }
   float totals[HEADS];
-  for (int h = 0; h < HEADS; ++h) totals[h] = softmax_numerators(scores + h * count, count);
-  weighted_values<VECTORS, HEADS>(scores, count, totals, values, count, D, out);
+  int64_t counts[HEADS];
+  at::BFloat16* rows[HEADS];
+  for (int h = 0; h < HEADS; ++h) {
+    totals[h] = softmax_numerators(scores + h * count, count);
+    counts[h] = count;
+    rows[h] = out + h * D;
+  }
+  weighted_values<VECTORS, HEADS>(scores, count, totals, values, counts, D, rows);
 }
 
 constexpr int TILE_KEYS = 4 * LANES;  // keys per tile of a chunk's scores: 4 vectors per head
@@ -179,74 +198,88 @@ void pair_keys(const at::BFloat16* keys, int64_t count, int64_t D, int64_t strid
     for (int64_t i = 0; i < D / 2; ++i) out[i * stride + j] = words[j * D / 2 + i];
 }
 
-// The scores of HEADS query heads q (HEADS, D) in bf16 over the paired keys (D / 2, stride), TILE_KEYS keys at a
-// time: lane j sums the exact fp32 products q[d] k_j[d] a pair of d at a time, in order of d (vdpbf16ps; its
-// sums round to nearest even, denormals flushed). Keys past `count` within the last tile are scored, never used.
-// scores: row h at h * stride.
-template <int HEADS>
-__attribute__((target("avx512f,avx512bf16"))) void chunk_scores(const at::BFloat16* q, const uint32_t* pairs,
+// The scores of ROWS query heads q[r] (D) in bf16 over the paired keys (D / 2, stride), TILE_KEYS keys at a time:
+// lane j sums the exact fp32 products q[d] k_j[d] a pair of d at a time, in order of d (vdpbf16ps; its sums round
+// to nearest even, denormals flushed). Each key vector is loaded once for all rows. Keys past `count` within the
+// last tile are scored, never used. scores: row r at r * stride.
+template <int ROWS>
+__attribute__((target("avx512f,avx512bf16"))) void chunk_scores(const at::BFloat16* const* q, const uint32_t* pairs,
                                                                  int64_t stride, int64_t count, int64_t D,
                                                                  float scale, float* scores) {
   constexpr int KEY_VECTORS = TILE_KEYS / LANES;
-  const auto* q_pairs = reinterpret_cast<const uint32_t*>(q);
   for (int64_t j0 = 0; j0 < count; j0 += TILE_KEYS) {
-    __m512 acc[HEADS][KEY_VECTORS];
-    for (int h = 0; h < HEADS; ++h)
-      for (int k = 0; k < KEY_VECTORS; ++k) acc[h][k] = _mm512_setzero_ps();
+    __m512 acc[ROWS][KEY_VECTORS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int k = 0; k < KEY_VECTORS; ++k) acc[r][k] = _mm512_setzero_ps();
     for (int64_t i = 0; i < D / 2; ++i) {
       __m512bh key[KEY_VECTORS];
       for (int k = 0; k < KEY_VECTORS; ++k)
         key[k] = (__m512bh)_mm512_loadu_si512(pairs + i * stride + j0 + k * LANES);
-      for (int h = 0; h < HEADS; ++h) {
-        const __m512bh element = (__m512bh)_mm512_set1_epi32(q_pairs[h * D / 2 + i]);
-        for (int k = 0; k < KEY_VECTORS; ++k) acc[h][k] = _mm512_dpbf16_ps(acc[h][k], element, key[k]);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh element = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const uint32_t*>(q[r])[i]);
+        for (int k = 0; k < KEY_VECTORS; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], element, key[k]);
       }
     }
-    for (int h = 0; h < HEADS; ++h)
+    for (int r = 0; r < ROWS; ++r)
       for (int k = 0; k < KEY_VECTORS; ++k)
-        _mm512_storeu_ps(scores + h * stride + j0 + k * LANES, _mm512_mul_ps(acc[h][k], _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(scores + r * stride + j0 + k * LANES, _mm512_mul_ps(acc[r][k], _mm512_set1_ps(scale)));
   }
 }
 
-// chunk_attention's work for one query: HEADS query heads q (HEADS, D) over the paired keys (D / 2, stride) and
-// the values (p + 1, D) in bf16 -> out (HEADS, D) in bf16. scores: room for HEADS x stride floats.
-template <int VECTORS, int HEADS>
-void attend_chunk(const at::BFloat16* q, const uint32_t* pairs, int64_t stride, const at::BFloat16* values,
-                  int64_t count, int64_t D, float scale, float* scores, at::BFloat16* out) {
-  chunk_scores<HEADS>(q, pairs, stride, count, D, scale, scores);
-  float totals[HEADS];
-  for (int h = 0; h < HEADS; ++h) totals[h] = softmax_numerators(scores + h * stride, count);
-  weighted_values<VECTORS, HEADS>(scores, stride, totals, values, count, D, out);
+// chunk_attention's work for QUERIES consecutive queries of a chunk (the row of query i at q + i * step, its
+// position + 1 in counts[i]), HEADS query heads of each, over the paired keys (D / 2, stride) and the values in
+// bf16 -> out, laid out as q. Their keys are read once for all QUERIES x HEADS rows; each row's sums are its own,
+// so a query's bits are those it gets alone. scores: room for QUERIES x HEADS x stride floats.
+template <int VECTORS, int HEADS, int QUERIES>
+void attend_chunk(const at::BFloat16* q, int64_t step, const uint32_t* pairs, int64_t stride,
+                  const at::BFloat16* values, const int64_t* counts, int64_t D, float scale, float* scores,
+                  at::BFloat16* out) {
+  constexpr int ROWS = QUERIES * HEADS;
+  const at::BFloat16* queries[ROWS];
+  at::BFloat16* rows[ROWS];
+  int64_t row_counts[ROWS];
+  float totals[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    const int64_t at = r / HEADS * step + r % HEADS * D;
+    queries[r] = q + at;
+    rows[r] = out + at;
+    row_counts[r] = counts[r / HEADS];
+  }
+  chunk_scores<ROWS>(queries, pairs, stride, *std::max_element(counts, counts + QUERIES), D, scale, scores);
+  for (int r = 0; r < ROWS; ++r) totals[r] = softmax_numerators(scores + r * stride, row_counts[r]);
+  weighted_values<VECTORS, ROWS>(scores, stride, totals, values, row_counts, D, rows);
 }
 
 using Attend = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, float,
                         float*, at::BFloat16*);
-using AttendChunk = void (*)(const at::BFloat16*, const uint32_t*, int64_t, const at::BFloat16*, int64_t, int64_t,
-                             float, float*, at::BFloat16*);
+using AttendChunk = void (*)(const at::BFloat16*, int64_t, const uint32_t*, int64_t, const at::BFloat16*,
+                             const int64_t*, int64_t, float, float*, at::BFloat16*);
 
-// The instances for one head shape, and how many heads of a kv group each takes at once.
+// The instances for one head shape: how many heads of a kv group each takes at once, and how many queries of a
+// chunk the chunk kernel takes at once (chunk_one: one, for a chunk's last queries).
 struct Instances {
   Attend query;
-  AttendChunk chunk;
-  int64_t heads;
+  AttendChunk chunk, chunk_one;
+  int64_t heads, queries;
 };
 
-template <int VECTORS, int HEADS>
+template <int VECTORS, int HEADS, int QUERIES>
 Instances instances() {
-  return {attend<VECTORS, HEADS>, attend_chunk<VECTORS, HEADS>, HEADS};
+  return {attend<VECTORS, HEADS>, attend_chunk<VECTORS, HEADS, QUERIES>, attend_chunk<VECTORS, HEADS, 1>, HEADS,
+          QUERIES};
 }
 
-// The instances for head_dim D that take the most heads of a kv group at once with their queries and
-// accumulators in 32 registers.
+// The instances for head_dim D that take the most heads of a kv group at once, and the most queries of a chunk,
+// with their accumulators (at most 24) and operands in 32 registers.
 Instances choose(int64_t D, int64_t group) {
   if (D == 64) {
-    if (group % 4 == 0) return instances<4, 4>();
-    if (group % 3 == 0) return instances<4, 3>();
-    if (group % 2 == 0) return instances<4, 2>();
-    return instances<4, 1>();
+    if (group % 4 == 0) return instances<4, 4, 1>();
+    if (group % 3 == 0) return instances<4, 3, 2>();
+    if (group % 2 == 0) return instances<4, 2, 2>();
+    return instances<4, 1, 4>();
   }
-  if (D == 128) return group % 2 == 0 ? instances<8, 2>() : instances<8, 1>();
-  return instances<0, 1>();
+  if (D == 128) return group % 2 == 0 ? instances<8, 2, 1>() : instances<8, 1, 2>();
+  return instances<0, 1, 1>();
 }
 
 // One call of either kernel: its sizes, its tensors' data, its output, and the instances for its head shape.
@@ -335,15 +368,20 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
       const int64_t count = *std::max_element(position, position + c.T) + 1;
       const int64_t stride = (count + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
       const int64_t kv = (c.slots[g] * c.H_kv + kv_head) * c.C * c.D;
-      scores.resize(c.kernel.heads * stride);
+      scores.resize(c.kernel.queries * c.kernel.heads * stride);
       pairs.resize(c.D / 2 * stride);
       pair_keys(c.keys + kv, count, c.D, stride, pairs.data());
-      for (int64_t t = 0; t < c.T; ++t)
+      for (int64_t t = 0; t < c.T;) {
+        const bool together = t + c.kernel.queries <= c.T;
+        const AttendChunk attend = together ? c.kernel.chunk : c.kernel.chunk_one;
+        int64_t counts[MAX_QUERIES];
+        for (int64_t i = 0; i < (together ? c.kernel.queries : 1); ++i) counts[i] = position[t + i] + 1;
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += c.kernel.heads) {
           const int64_t at = ((g * c.T + t) * c.H + h) * c.D;
-          c.kernel.chunk(c.q + at, pairs.data(), stride, c.values + kv, position[t] + 1, c.D, c.scale, scores.data(),
-                         out + at);
+          attend(c.q + at, c.H * c.D, pairs.data(), stride, c.values + kv, counts, c.D, c.scale, scores.data(), out + at);
         }
+        t += together ? c.kernel.queries : 1;
+      }
     }
   });
   return c.out;
