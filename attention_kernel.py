@@ -1,11 +1,14 @@
-"""The CPU attention kernels (query_attention.cpp): their build, and the choice.
+"""The CPU attention kernels (query_attention.cpp) and RMSNorm's kernel beside them (rms_norm.cpp): their build,
+and the choice.
 
 A decode step, and a prefill's last incomplete chunk, attend a few queries per row over keys that lie in
 the KV cache. In PyTorch operators (transformer.block_attention) that means gathering each row's window of
 keys and values, converting it to fp32 and masking what lies past each query; for a batch of rows that is
 most of a decode step. query_attention reads the bf16 cache in place instead, with the same fp32 math and the
 same rule: a query's result depends only on its own keys. A prefill's complete chunks take chunk_attention,
-which shares each key among a chunk's 64 queries, in place of the flash kernel (SDPA) and its mask.
+which shares each key among a chunk's 64 queries, in place of the flash kernel (SDPA) and its mask. Where the
+attention kernels run, RMSNorm's normalisation takes one pass of its own kernel instead of PyTorch's eight
+operators; `--attention-kernel torch` keeps PyTorch's operators for both.
 """
 
 import functools
@@ -17,6 +20,7 @@ from int4 import build_cpu_kernel, cpu_flags
 
 ATTENTION_KERNELS = ("auto", "query-kernel", "torch")  # what draft_model.load_model's attention_kernel takes
 SOURCE = Path(__file__).with_name("query_attention.cpp")
+NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 NEEDS = "avx512f"
 CHUNK_NEEDS = "avx512_bf16"  # chunk_attention's dot products; without it, complete chunks take query_attention
 # Compiled for AVX512F whatever the build machine has; it runs only where cpu_flags() has it.
@@ -28,6 +32,19 @@ def build_problem() -> str | None:
     """Build and load the kernel (int4.build_cpu_kernel). Why it cannot, or None."""
     fake = {f"draft_server_attention::{op}": _output_shape for op in ("query_attention", "chunk_attention")}
     return build_cpu_kernel("query-attention", "draft_server_query_attention", SOURCE, CFLAGS, "PyTorch attends", fake)
+
+
+@functools.cache
+def norm_build_problem() -> str | None:
+    """Build and load RMSNorm's kernel (int4.build_cpu_kernel). Why it cannot, or None."""
+    fake = {"draft_server_rms_norm::rms_norm": lambda x, eps: torch.empty_like(x)}
+    return build_cpu_kernel("rms-norm", "draft_server_rms_norm", NORM_SOURCE, CFLAGS, "PyTorch's rms_norm serves", fake)
+
+
+def wants_norm_kernel(query_kernel: bool) -> bool:
+    """Do RMSNorm's normalisations take rms_norm.cpp? Wherever the query kernel runs (a CPU with AVX512F, bf16)
+    and it builds."""
+    return query_kernel and norm_build_problem() is None
 
 
 def _output_shape(q, keys, values, slots, positions):
@@ -71,6 +88,12 @@ def cpu_choice() -> str:
     """What auto attends with in a bf16 model on this CPU, by name (benchmarks print it)."""
     query_kernel = wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16)
     return attention_name(query_kernel, wants_chunk_kernel(query_kernel))
+
+
+def norm_choice() -> str:
+    """What RMSNorm takes by default in a bf16 model on this CPU, by name (benchmarks print it)."""
+    on = wants_norm_kernel(wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16))
+    return "rms-norm-kernel" if on else "torch"
 
 
 def query_attention(

@@ -20,7 +20,7 @@ import torch
 
 import engine
 import int4
-from attention_kernel import attention_name, wants_chunk_kernel, wants_query_kernel
+from attention_kernel import attention_name, wants_chunk_kernel, wants_norm_kernel, wants_query_kernel
 from checkpoint import LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
@@ -100,6 +100,7 @@ def load_model(
     try:
         query_kernel = wants_query_kernel(attention_kernel, device, dtype)
         loaded.model.use_attention_kernels(query_kernel, wants_chunk_kernel(query_kernel))
+        loaded.model.use_norm_kernel(wants_norm_kernel(query_kernel))
     except ValueError as error:
         raise ModelLoadError(str(error)) from None
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_slots, context, device, dtype)
@@ -189,19 +190,21 @@ class Drafter:
     def kernel(self) -> dict:
         """How the model's linear layers multiply: the kernel's name (int4.CPU_KERNELS on the CPU), what it
         does, and on the CPU the instruction sets it was chosen for; how the model attends (attention:
-        attention_kernel.attention_name)."""
+        attention_kernel.attention_name) and normalises (norm: rms-norm-kernel or torch)."""
         dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
         attention = attention_name(
             self.model.layers[0].self_attn.query_kernel, self.model.layers[0].self_attn.chunk_kernel
         )
+        norm = "rms-norm-kernel" if self.model.norm.kernel else "torch"
         if self.device.type != "cpu":
             name = "cuda-int4" if self.weights == "packed" else f"dense-{dtype}"
-            return {"name": name, "what": f"on {self.device.type}", "attention": attention}
+            return {"name": name, "what": f"on {self.device.type}", "attention": attention, "norm": norm}
         packed = {m.cpu_kernel for m in self.model.modules() if isinstance(m, Int4Linear)}
         # The chosen kernel first; int4pack after it for layers too narrow for it.
         kernels = [k for k in reversed(int4.PACKED_CPU_KERNELS) if k in packed] or [f"dense-{dtype}"]
         what = "; ".join(int4.CPU_KERNELS[k].what if k in int4.CPU_KERNELS else "dense weights" for k in kernels)
-        return {"name": "+".join(kernels), "what": what, "cpu": int4.cpu_description(), "attention": attention}
+        cpu = int4.cpu_description()
+        return {"name": "+".join(kernels), "what": what, "cpu": cpu, "attention": attention, "norm": norm}
 
     def describe(self) -> dict:
         """JSON-ready identity and limits (the server's /health)."""

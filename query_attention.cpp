@@ -33,23 +33,16 @@
 #include <cmath>
 #include <vector>
 
+#include "bf16_vectors.h"
+
 namespace {
 
-constexpr int LANES = 16;      // fp32 lanes of a zmm register
+using bf16_vectors::LANES;
+using bf16_vectors::load_bf16;
+using bf16_vectors::to_bf16;
+
 constexpr int MAX_VECTORS = 16;  // head_dim up to 256
 constexpr int MAX_QUERIES = 4;   // queries of a chunk the chunk kernel takes at once (choose)
-
-inline __m512 load_bf16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// fp32 -> bf16, rounding to nearest even as PyTorch's conversion does (without NaN's special case: none occur).
-inline __m256i to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 
 // e^x for x <= 0 (a score minus the maximum): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
 // polynomial (relative error below 2e-7), scaled by 2^n. Below -87 the result is flushed towards zero.

@@ -134,7 +134,8 @@ class ServerSettings:
         "read the bf16 cache in place; need AVX512F and a C++ compiler, built at the first start; a prefill's "
         "complete chunks take its chunk kernel where the CPU also has AVX512-BF16), torch (PyTorch operators on a "
         "gathered window, SDPA for complete chunks); auto: query-kernel on a CPU with AVX512F in bf16 where it "
-        "builds, else torch",
+        "builds, else torch. With query-kernel RMSNorm also takes this project's kernel (rms_norm.cpp) where it "
+        "builds",
         "auto",
         choices=attention_kernel.ATTENTION_KERNELS,
     )

@@ -66,9 +66,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel = False  # normalise by rms_norm.cpp (Transformer.use_norm_kernel), else by PyTorch's operator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise, round to x's dtype, then scale: the order transformers uses.
+        if self.kernel:
+            return self.weight * torch.ops.draft_server_rms_norm.rms_norm.default(x.contiguous(), self.eps)
         return self.weight * normalised(x, self.eps)
 
 
@@ -506,6 +509,12 @@ class Transformer(nn.Module):
         else by query_attention (query_kernel), else by SDPA."""
         for layer in self.layers:
             layer.self_attn.query_kernel, layer.self_attn.chunk_kernel = query_kernel, chunk_kernel
+
+    def use_norm_kernel(self, on: bool) -> None:
+        """Normalise every RMSNorm by rms_norm.cpp (attention_kernel.wants_norm_kernel), or by PyTorch's operator."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = on
 
     def use_cuda_int4_kernels(self) -> None:
         """Repack every Int4Linear (on a CUDA device) for the CUDA kernel. A tied INT4 table is first copied

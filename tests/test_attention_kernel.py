@@ -1,5 +1,6 @@
-"""The CPU attention kernels (attention_kernel.py, query_attention.cpp): each query's result is its own, they
-compute the attention block_attention computes, and load_model chooses them by what the CPU has."""
+"""The CPU attention kernels (attention_kernel.py, query_attention.cpp) and RMSNorm's beside them (rms_norm.cpp):
+each query's and row's result is its own, they compute what PyTorch computes, and load_model chooses them by what
+the CPU has."""
 
 import pytest
 import torch
@@ -22,6 +23,12 @@ def chunk_kernel_or_skip() -> None:
     kernel_or_skip()
     if not attention_kernel.wants_chunk_kernel(True):
         pytest.skip("the chunk kernel cannot run on this CPU (it needs AVX512-BF16)")
+
+
+def norm_kernel_or_skip() -> None:
+    kernel_or_skip()
+    if not attention_kernel.wants_norm_kernel(True):
+        pytest.skip(f"RMSNorm's kernel could not be built: {attention_kernel.norm_build_problem()}")
 
 
 def random_cache(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +169,20 @@ def test_the_chunk_kernel_computes_softmax_attention(heads, kv_heads, head_dim):
     assert ((ours - exact).abs() <= exact.abs().clamp(min=2**-8) * 2**-7).all()  # within one bf16 rounding
 
 
+@pytest.mark.parametrize("dim", [64, 576, 72])  # 72: a row that does not fill its last vector
+def test_the_norm_kernel_normalises_each_row_on_its_own(dim):
+    """Fast against naive (PyTorch's RMSNorm in fp32), and each row's bits its own: alone or among others, on one
+    thread or two."""
+    norm_kernel_or_skip()
+    x = (torch.randn(40, dim, generator=torch.Generator().manual_seed(dim)) * 3).bfloat16()
+    ours = on_threads(2, torch.ops.draft_server_rms_norm.rms_norm, x, 1e-6)
+    exact = torch.nn.functional.rms_norm(x.double(), (dim,), eps=1e-6)
+    assert ((ours.double() - exact).abs() <= exact.abs() * 2**-8).all()  # within one bf16 rounding
+    assert torch.equal(on_threads(1, torch.ops.draft_server_rms_norm.rms_norm, x, 1e-6), ours)
+    for row in (0, 17, 39):
+        assert torch.equal(torch.ops.draft_server_rms_norm.rms_norm(x[row : row + 1], 1e-6), ours[row : row + 1])
+
+
 def test_auto_takes_the_kernel_only_where_it_runs(monkeypatch):
     cpu = torch.device("cpu")
     assert not attention_kernel.wants_query_kernel("auto", cpu, torch.float32)
@@ -186,6 +207,8 @@ def test_drafts_are_the_same_with_the_kernels_or_without(tmp_path, monkeypatch):
     with_kernels = draft_model.load_model(package, device="cpu", cache_slots=32)
     without = draft_model.load_model(package, device="cpu", cache_slots=32, attention_kernel="torch")
     assert with_kernels.kernel()["attention"] == attention_kernel.cpu_choice()
+    norm = "rms-norm-kernel" if attention_kernel.wants_norm_kernel(True) else "torch"
+    assert with_kernels.kernel()["norm"] == norm and without.kernel()["norm"] == "torch"
     monkeypatch.setattr(attention_kernel, "cpu_flags", lambda: frozenset({"avx512f"}))
     query_kernel_only = draft_model.load_model(package, device="cpu", cache_slots=32)
     assert query_kernel_only.kernel()["attention"] == "query-kernel" and without.kernel()["attention"] == "torch"

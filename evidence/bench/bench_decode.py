@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 import draft_model
 import int4
-from attention_kernel import cpu_choice
+from attention_kernel import cpu_choice, norm_choice
 from evidence import common
 
 
@@ -166,7 +166,7 @@ def main() -> None:
     draft_model.reuse_freed_memory()
     prompt = torch.randint(0, 49152, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     print(
-        f"CPU: {int4.cpu_description()}; our kernel: {int4.choose_cpu_kernel('auto')}, attention {cpu_choice()}",
+        f"CPU: {int4.cpu_description()}; our kernel: {int4.choose_cpu_kernel('auto')}, attention {cpu_choice()}, norm {norm_choice()}",
         flush=True,
     )
     results = []

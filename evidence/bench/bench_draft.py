@@ -51,7 +51,7 @@ import draft_model  # noqa: E402
 import engine  # noqa: E402
 import int4  # noqa: E402
 import transformer  # noqa: E402
-from attention_kernel import cpu_choice  # noqa: E402
+from attention_kernel import cpu_choice, norm_choice  # noqa: E402
 from planning import SLOTS_PER_ROW  # noqa: E402
 
 SHAPES = {  # make_random_package.py flags; real Qwen3 vocabulary, tied embeddings, group 128
@@ -418,7 +418,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"{cpu_line()}; INT4 kernel auto: {int4.choose_cpu_kernel('auto')}; attention auto: {cpu_choice()}", flush=True
+        f"{cpu_line()}; INT4 kernel auto: {int4.choose_cpu_kernel('auto')}; attention auto: {cpu_choice()}; "
+        f"norm auto: {norm_choice()}",
+        flush=True,
     )
     allocator = (
         "glibc malloc keeps freed blocks" if draft_model.reuse_freed_memory() else "default allocator"

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = list(dict.fromkeys(args.threads))
     print(
         f"CPU flags: {int4.cpu_description()}; threads {', '.join(map(str, threads))}; auto chooses {int4.choose_cpu_kernel('auto')}; "
-        f"attention auto: {attention_kernel.cpu_choice()}"
+        f"attention auto: {attention_kernel.cpu_choice()}; norm auto: {attention_kernel.norm_choice()}"
     )
     shipped = []
     for name in int4.CPU_KERNELS:

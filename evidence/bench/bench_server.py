@@ -198,10 +198,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def kernel_text(model: dict) -> str:
-    """The server's INT4 kernel, its attention and, on a CPU, the instruction sets they were chosen for (from
-    /health)."""
+    """The server's INT4 kernel, its attention and norm and, on a CPU, the instruction sets they were chosen for
+    (from /health)."""
     kernel = model.get("kernel") or {}
-    attention = f", attention {kernel['attention']}" if "attention" in kernel else ""
+    attention = "".join(f", {part} {kernel[part]}" for part in ("attention", "norm") if part in kernel)
     cpu = f" on a CPU with {kernel['cpu']}" if "cpu" in kernel else ""
     return f"kernel {kernel.get('name', 'unknown (an older server)')}{attention}{cpu}"
 

@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
             **compiled,
         )
         name = drafter.kernel()["name"]
-        attention = drafter.kernel()["attention"]
+        attention, norm = drafter.kernel()["attention"], drafter.kernel()["norm"]
         print(
-            f"{mode}: weights {drafter.weights}, dtype {drafter.dtype}, kernel {name}, attention {attention}, {drafter.num_layers} layers"
+            f"{mode}: weights {drafter.weights}, dtype {drafter.dtype}, kernel {name}, attention {attention}, norm {norm}, {drafter.num_layers} layers"
         )
         for batch in args.batch:
             row = {"mode": mode, "kernel": name} | measure(drafter, args, batch)
