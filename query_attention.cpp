@@ -107,7 +107,8 @@ inline void add_value(__m512 (&acc)[ROWS][SLOTS], const float* weights, int64_t 
   for (int v = 0; v < vectors; ++v) {
     const __m512 element = load_bf16(value + LANES * v);
     for (int r = 0; r < ROWS; ++r)
-      if (live == nullptr || live[r]) acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * stride + j]), element, acc[r][v]);
+      if (live == nullptr || live[r])
+        acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * stride + j]), element, acc[r][v]);
   }
 }
 
@@ -125,7 +126,8 @@ void weighted_values(const float* scores, int64_t stride, const float* totals, c
   __m512 acc[ROWS][SLOTS];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < shared; ++j) add_value<VECTORS, ROWS, SLOTS>(acc, scores, stride, j, values + j * D, vectors, nullptr);
+  for (int64_t j = 0; j < shared; ++j)
+    add_value<VECTORS, ROWS, SLOTS>(acc, scores, stride, j, values + j * D, vectors, nullptr);
   for (int64_t j = shared; j < last; ++j) {
     bool live[ROWS];
     for (int r = 0; r < ROWS; ++r) live[r] = j < counts[r];
@@ -133,7 +135,8 @@ void weighted_values(const float* scores, int64_t stride, const float* totals, c
   }
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < vectors; ++v)
-      _mm256_storeu_si256((__m256i*)(out[r] + LANES * v), to_bf16(_mm512_div_ps(acc[r][v], _mm512_set1_ps(totals[r]))));
+      _mm256_storeu_si256((__m256i*)(out[r] + LANES * v),
+                          to_bf16(_mm512_div_ps(acc[r][v], _mm512_set1_ps(totals[r]))));
 }
 
 // HEADS query heads q (HEADS, D) that share one kv head, over its keys and values (p + 1, D) in bf16 -> out
@@ -371,7 +374,8 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
         for (int64_t i = 0; i < (together ? c.kernel.queries : 1); ++i) counts[i] = position[t + i] + 1;
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += c.kernel.heads) {
           const int64_t at = ((g * c.T + t) * c.H + h) * c.D;
-          attend(c.q + at, c.H * c.D, pairs.data(), stride, c.values + kv, counts, c.D, c.scale, scores.data(), out + at);
+          attend(c.q + at, c.H * c.D, pairs.data(), stride, c.values + kv, counts, c.D, c.scale, scores.data(),
+                 out + at);
         }
         t += together ? c.kernel.queries : 1;
       }
