@@ -3,7 +3,7 @@
 Handlers `submit` requests into a bounded queue and `wait` for their drafts; one task takes up to
 max_batch_size queued requests (waiting at most max_wait_ms for more once it has one, and up to
 regroup_wait_ms while it holds fewer than the last few batches did) and runs the draft function on them in
-one worker thread, so the model drafts one batch at a time.
+the drafting thread, so the model drafts one batch at a time.
 """
 
 import asyncio
@@ -21,6 +21,18 @@ from metrics import Metrics
 log = logging.getLogger("draft_server")
 
 RECENT_BATCHES = 4  # batches whose largest size a new batch waits (regroup_wait_ms) to reach
+
+
+def drafting_thread() -> ThreadPoolExecutor:
+    """The one thread that runs the model in the server, from its load to its last batch.
+
+    torch's CPU operators run their threads through OpenMP, and libgomp gives every thread that starts
+    parallel work a pool of its own. An idle pool still counts against the cores: when the pools hold more
+    threads than there are cores, libgomp's threads stop spin-waiting between parallel regions and sleep,
+    and each of a step's many small operators then pays for waking them. Loading on one thread and drafting
+    on another made two drafting threads on two cores slower than one (evidence/RESULTS.md); so the thread
+    that loads the model is the thread that drafts, and nothing else in the server runs torch's operators."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-worker")
 
 
 class Unavailable(Exception):
@@ -49,7 +61,7 @@ class PendingDraft:
     taken: bool = False  # in a batch the worker is drafting: past the point where the deadline can refuse it
 
 
-# What the worker thread runs on a batch: one Draft per request, in order (the server's: draft_requests on its drafter).
+# What the drafting thread runs on a batch: one Draft per request, in order (the server's: draft_requests on its drafter).
 DraftFn = Callable[[list[DraftRequest]], list[draft_model.Draft]]
 
 
@@ -67,7 +79,8 @@ def draft_requests(drafter: draft_model.Drafter, requests: list[DraftRequest]) -
 
 
 class Batcher:
-    """Groups queued requests into batches and drafts each batch in one worker thread.
+    """Groups queued requests into batches and drafts each batch on `worker` (drafting_thread(), which the
+    batcher shuts down when it stops).
 
     The model runs one batch at a time; requests that arrive meanwhile wait in the bounded queue and
     form the next batch. A batch that raises fails only its own requests. A request still queued after
@@ -77,6 +90,7 @@ class Batcher:
     def __init__(
         self,
         draft_fn: DraftFn,
+        worker: ThreadPoolExecutor,
         *,
         max_batch_size: int,
         max_wait_ms: float,
@@ -94,7 +108,7 @@ class Batcher:
         self.queue_deadline_s = queue_deadline_s
         self.metrics = metrics
         self.queue: asyncio.Queue[PendingDraft] = asyncio.Queue(maxsize=max_queue)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-worker")
+        self.worker = worker
         self.task: asyncio.Task | None = None
         self.accepting = False
         metrics.queue_depth.set_function(self.queue.qsize)
@@ -113,7 +127,7 @@ class Batcher:
         await self.queue.join()
 
     async def stop(self) -> None:
-        """Drain, then stop the task and the worker thread."""
+        """Drain, then stop the task and the drafting thread."""
         await self.drain()
         if self.task is not None:
             self.task.cancel()

@@ -2,7 +2,7 @@
 
 Reads a model package (or a plain Hugging Face checkpoint directory) with `draft_model.load_model`;
 writes nothing but logs. Concurrent requests are grouped by one asyncio batcher (batcher.py) and drafted
-by `draft_model.draft_batch` in a single worker thread. Endpoints: POST /draft, POST /draft/batch,
+by `draft_model.draft_batch` on the drafting thread, the thread that loaded the model. Endpoints: POST /draft, POST /draft/batch,
 GET /health, GET /metrics (Prometheus text), GET /docs (OpenAPI). See README.md for the API and every error.
 
     python server.py --model-dir model --host 127.0.0.1 --port 8000
@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import fastapi
@@ -31,7 +32,7 @@ from fastapi_offline import FastAPIOffline
 import draft_model
 import server_settings
 from api_schema import BatchItemResult, BatchResponse, DraftResponse, ErrorResponse, request_models
-from batcher import Batcher, DraftFailed, DraftRequest, PendingDraft, Unavailable, draft_requests
+from batcher import Batcher, DraftFailed, DraftRequest, PendingDraft, Unavailable, draft_requests, drafting_thread
 from http_guards import (
     add_response_header,
     describe_validation_errors,
@@ -105,8 +106,8 @@ class DraftService:
     """What the routes ask of the loaded drafter: check a request against the model, queue it on the batcher,
     turn its draft into an answer, report health. The batcher starts in the lifespan (it needs the loop)."""
 
-    def __init__(self, settings: ServerSettings, drafter: draft_model.Drafter):
-        self.settings, self.drafter = settings, drafter
+    def __init__(self, settings: ServerSettings, drafter: draft_model.Drafter, drafting: ThreadPoolExecutor):
+        self.settings, self.drafter, self.drafting = settings, drafter, drafting
         self.metrics = Metrics(settings.max_batch_size)
         self.vocabulary = drafter.model_card.get("vocabulary")
         self.replica = replica_name(settings.host, settings.port)
@@ -116,6 +117,7 @@ class DraftService:
     async def lifespan(self, app: fastapi.FastAPI):
         self.batcher = Batcher(
             functools.partial(draft_requests, self.drafter),
+            self.drafting,
             max_batch_size=self.settings.max_batch_size,
             max_wait_ms=self.settings.max_wait_ms,
             regroup_wait_ms=self.settings.regroup_wait_ms,
@@ -259,9 +261,10 @@ async def unexpected_error(request: fastapi.Request, error: Exception) -> JSONRe
     return JSONResponse({"detail": "internal server error; the server log has the details"}, status_code=500)
 
 
-def create_app(settings: ServerSettings, drafter: draft_model.Drafter) -> fastapi.FastAPI:
-    """The FastAPI app around a loaded drafter; the batcher starts in the lifespan (it needs the loop)."""
-    service = DraftService(settings, drafter)
+def create_app(settings: ServerSettings, drafter: draft_model.Drafter, drafting: ThreadPoolExecutor) -> fastapi.FastAPI:
+    """The FastAPI app around a drafter loaded on `drafting` (batcher.drafting_thread()), which drafts its
+    batches; the batcher starts in the lifespan (it needs the loop)."""
+    service = DraftService(settings, drafter, drafting)
     app = FastAPIOffline(  # FastAPI serving /docs' Swagger UI files itself: the page works with no network
         title="Draft server",
         version="1",
@@ -352,22 +355,25 @@ def refuse(message: str, status: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     settings = server_settings.parse_args(argv, __doc__)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(settings.threads or max(1, torch.get_num_threads() - 1))
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     if not draft_model.reuse_freed_memory():
         log.info("malloc is not glibc's: freed prefill buffers go back to the OS (long prefills run slower)")
-    # A signal during the load, and the one uvicorn re-delivers after a forced stop, end the process at once.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(0))
+    # A signal during the load, and the one uvicorn re-delivers after a forced stop, end the process at once
+    # (sys.exit would wait for the drafting thread to finish loading).
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(0))
     started = time.perf_counter()
+    drafting = drafting_thread()
     try:
-        drafter = load_drafter(settings)
+        drafter = drafting.submit(load_drafter, settings).result()
     except ConfigError as problem:
         refuse(str(problem), status=2)
     except Exception as error:  # the operator gets one line; --log-level debug adds the traceback
         log.debug("start-up failed", exc_info=True)
         refuse(f"cannot start: {type(error).__name__}: {error} (--log-level debug shows the traceback)", status=1)
     log.info("%s", server_settings.startup_summary(drafter.describe(), settings, time.perf_counter() - started))
-    app = create_app(settings, drafter)
+    app = create_app(settings, drafter, drafting)
     config = uvicorn.Config(
         app,
         host=settings.host,

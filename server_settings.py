@@ -154,8 +154,8 @@ class ServerSettings:
         check=planning.bucket_problem,
     )
     threads: int | None = setting(
-        "CPU threads for drafting (default: one fewer than torch's one per core, at least 1: a core is left to "
-        "the HTTP event loop, which otherwise competes with the drafting threads)",
+        "CPU threads for drafting (default: torch's, one per core; the HTTP event loop works between batches, "
+        "and the drafting thread is the only one that runs torch's operators)",
         None,
         parse=int,
         check=at_least(1),

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,13 @@ def test_evidence_keeps_the_library_and_the_driver_at_the_top_and_each_script_in
 def test_every_top_level_module_is_in_the_layers_or_standalone():
     top_level = {path.stem for path in REPO.glob("*.py")}
     assert top_level == set(LAYERS) | set(STANDALONE)
+
+
+def test_the_package_installs_every_top_level_module():
+    """pyproject.toml lists the flat layout's modules by name: a module missing there imports in a checkout
+    and fails in an installed copy."""
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    assert sorted(listed) == sorted(set(LAYERS) | set(STANDALONE))
 
 
 @pytest.mark.parametrize("module", sorted(STANDALONE))

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from live_server import RunningServer, metric_samples, prompt, start_server, stop_server
 
 import draft_model
-from batcher import Batcher, DraftFailed, DraftRequest, Unavailable, draft_requests
+from batcher import Batcher, DraftFailed, DraftRequest, Unavailable, draft_requests, drafting_thread
 from metrics import Metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -423,16 +424,41 @@ def test_sigterm_under_load_finishes_queued_requests_and_exits_0(repo_root, tiny
 # ----------------------------------------------------------------------------- batcher in-process
 
 
-def in_process_batcher(model_dir: Path, **limits) -> Batcher:
-    """The server's batcher around an fp32 drafter in this process (call inside a running event loop)."""
-    drafter = draft_model.load_model(model_dir, "cpu", "float32", cache_slots=8)
+def in_process_batcher(model_dir: Path, draft_fn=draft_requests, **limits) -> Batcher:
+    """The server's batcher around an fp32 drafter in this process, loaded as the server loads it: on the
+    drafting thread (call inside a running event loop)."""
+    drafting = drafting_thread()
+    drafter = drafting.submit(draft_model.load_model, model_dir, "cpu", "float32", cache_slots=8).result()
     settings = {"max_wait_ms": 20, "regroup_wait_ms": 0, "max_queue": 16, "queue_deadline_s": 60} | limits
-    return Batcher(functools.partial(draft_requests, drafter), metrics=Metrics(settings["max_batch_size"]), **settings)
+    metrics = Metrics(settings["max_batch_size"])
+    return Batcher(functools.partial(draft_fn, drafter), drafting, metrics=metrics, **settings)
 
 
 def submit(batcher: Batcher, token_ids: list[int], max_tokens: int):
     request = DraftRequest(tuple(token_ids), max_tokens, min_confidence=0.0, lookup_min_match=0, return_logprobs=False)
     return batcher.submit(request)
+
+
+def test_every_batch_is_drafted_on_the_thread_that_loaded_the_model(tiny_checkpoint: Path, reference):
+    """One thread runs torch in the server (batcher.drafting_thread): a second one would keep a second
+    OpenMP pool, and libgomp's threads would then sleep between operators instead of spinning."""
+    threads = []
+
+    def recording_draft(drafter, requests):
+        threads.append(threading.get_ident())
+        return draft_requests(drafter, requests)
+
+    async def scenario():
+        batcher = in_process_batcher(tiny_checkpoint, recording_draft, max_batch_size=2, max_wait_ms=0)
+        loaded_on = await asyncio.get_running_loop().run_in_executor(batcher.worker, threading.get_ident)
+        batcher.start()
+        drafts = [await batcher.wait(submit(batcher, [1, 2, n], max_tokens=3)) for n in range(3, 6)]
+        await batcher.stop()
+        return loaded_on, drafts
+
+    loaded_on, drafts = asyncio.run(scenario())
+    assert threads == [loaded_on] * 3 and loaded_on != threading.get_ident()
+    assert drafts == [reference([1, 2, n], max_tokens=3) for n in range(3, 6)]
 
 
 def test_a_failing_batch_fails_only_its_requests(tiny_checkpoint: Path, reference):
