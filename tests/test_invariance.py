@@ -97,6 +97,25 @@ def test_harness_follow_ups_draft_what_a_cold_call_drafts(package, kernel):
     assert any(d.cached_tokens for d in draft_model.draft_batch(drafter, follow_ups)), "follow-ups reuse the cache"
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_one_thread_and_two_draft_the_same(package, kernel):
+    """The server drafts on every core by default and THREADS sets another count: replicas with different
+    counts, or one restarted with another, must draft the same. This project's kernels split a product's
+    columns and a cache's rows and heads between threads, never a sum; the library's products are held to
+    it here, on this CPU."""
+    rows = rows_of(LENGTHS, seed=5)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = alone(package, rows, kernel)
+        torch.set_num_threads(2)
+        drafter = load(package, kernel, cache_slots=32)
+        assert drafts(drafter, rows) == expected  # cold, in one batch
+        assert drafts(drafter, rows) == expected  # from the prefix cache
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_the_default_path_is_packed_bf16(package):
     drafter = draft_model.load_model(package)
     assert drafter.weights == "packed" and drafter.dtype.is_floating_point and str(drafter.dtype) == "torch.bfloat16"
