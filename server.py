@@ -353,16 +353,17 @@ def refuse(message: str, status: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # A signal during start-up, and the one uvicorn re-delivers after a forced stop, end the process: at once
+    # while the kernels build on this thread (unwinding, so torch removes its build lock), or once the load in
+    # hand returns on the drafting thread, which cannot be interrupted (and may be building a kernel too).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(0))
     settings = server_settings.parse_args(argv, __doc__)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if not draft_model.reuse_freed_memory():
         log.info("malloc is not glibc's: freed prefill buffers go back to the OS (long prefills run slower)")
-    # A signal during the load, and the one uvicorn re-delivers after a forced stop, end the process at once
-    # (sys.exit would wait for the drafting thread to finish loading).
-    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(0))
     started = time.perf_counter()
     drafting = drafting_thread()
     try:

@@ -143,6 +143,24 @@ def test_a_port_in_use_is_refused_before_the_model_loads(repo_root: Path, tiny_c
     assert "loaded" not in result.stderr
 
 
+def test_a_signal_during_the_first_kernel_build_exits_and_leaves_no_build_lock(repo_root: Path, tmp_path: Path):
+    """SIGTERM while start-up builds the INT4 kernel in a fresh extension directory: the server exits 0 at once,
+    and torch's build lock goes with it (a lock left behind would hold up every later start)."""
+    extensions = tmp_path / "extensions"
+    env = os.environ | {"TORCH_EXTENSIONS_DIR": str(extensions)}
+    command = [sys.executable, "server.py", "--model-dir", "model", "--port", str(free_port()), "--threads", "1"]
+    process = subprocess.Popen(command, cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not list(extensions.glob("*/lock")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not list(extensions.glob("*/lock")):
+        process.kill()
+        pytest.skip("start-up built no kernel here (a CPU without AVX512-BF16, or no compiler)")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0, process.stdout.read().decode()
+    assert not list(extensions.glob("*/lock"))
+
+
 def test_serve_sh_maps_environment_to_flags(repo_root: Path, tiny_checkpoint: Path, tmp_path: Path):
     """serve.sh as operators run it, with the repository's .venv (serve.sh would otherwise create one)."""
     if not (repo_root / ".venv" / "bin" / "python").exists():
