@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from int4 import build_cpu_kernel, cpu_flags
+from int4 import cpu_flags
+from kernel_build import build_cpu_kernel
 
 ATTENTION_KERNELS = ("auto", "query-kernel", "torch")  # what draft_model.load_model's attention_kernel takes
 SOURCE = Path(__file__).with_name("query_attention.cpp")
@@ -29,14 +30,14 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f"]
 
 @functools.cache
 def build_problem() -> str | None:
-    """Build and load the kernel (int4.build_cpu_kernel). Why it cannot, or None."""
+    """Build and load the kernel (kernel_build.build_cpu_kernel). Why it cannot, or None."""
     fake = {f"draft_server_attention::{op}": _output_shape for op in ("query_attention", "chunk_attention")}
     return build_cpu_kernel("query-attention", "draft_server_query_attention", SOURCE, CFLAGS, "PyTorch attends", fake)
 
 
 @functools.cache
 def norm_build_problem() -> str | None:
-    """Build and load RMSNorm's kernel (int4.build_cpu_kernel). Why it cannot, or None."""
+    """Build and load RMSNorm's kernel (kernel_build.build_cpu_kernel). Why it cannot, or None."""
     fake = {"draft_server_rms_norm::rms_norm": lambda x, eps: torch.empty_like(x)}
     return build_cpu_kernel("rms-norm", "draft_server_rms_norm", NORM_SOURCE, CFLAGS, "PyTorch's rms_norm serves", fake)
 

@@ -61,7 +61,8 @@ class PendingDraft:
     taken: bool = False  # in a batch the worker is drafting: past the point where the deadline can refuse it
 
 
-# What the drafting thread runs on a batch: one Draft per request, in order (the server's: draft_requests on its drafter).
+# What the drafting thread runs on a batch: one Draft per request, in order (the server's: draft_requests on
+# its drafter).
 DraftFn = Callable[[list[DraftRequest]], list[draft_model.Draft]]
 
 

@@ -2,8 +2,9 @@
 
 Reads a model package (or a plain Hugging Face checkpoint directory) with `draft_model.load_model`;
 writes nothing but logs. Concurrent requests are grouped by one asyncio batcher (batcher.py) and drafted
-by `draft_model.draft_batch` on the drafting thread, the thread that loaded the model. Endpoints: POST /draft, POST /draft/batch,
-GET /health, GET /metrics (Prometheus text), GET /docs (OpenAPI). See README.md for the API and every error.
+by `draft_model.draft_batch` on the drafting thread, the thread that loaded the model. Endpoints: POST /draft,
+POST /draft/batch, GET /health, GET /metrics (Prometheus text), GET /docs (OpenAPI). See README.md for the API
+and every error.
 
     python server.py --model-dir model --host 127.0.0.1 --port 8000
 

@@ -18,6 +18,7 @@ from tiny_models import write_default_path_package
 import attention_kernel
 import draft_model
 import int4
+import kernel_build
 import server_settings
 import transformer
 
@@ -203,13 +204,13 @@ def test_a_forced_int4_bf16dot_that_cannot_be_built_is_refused_in_one_line(monke
 def test_a_build_waits_for_another_processes_lock_but_not_forever(tmp_path):
     """torch's build lock: wait while another process builds; a lock left by a killed build ends the wait
     with a reason naming the file (the kernel then falls back), where torch alone would wait forever."""
-    assert int4.wait_for_build_lock(tmp_path, wait_s=0.2) is None
+    assert kernel_build.wait_for_build_lock(tmp_path, wait_s=0.2) is None
     lock = tmp_path / "lock"
     lock.touch()
-    problem = int4.wait_for_build_lock(tmp_path, wait_s=0.3)
+    problem = kernel_build.wait_for_build_lock(tmp_path, wait_s=0.3)
     assert str(lock) in problem and "delete it" in problem and "\n" not in problem
     threading.Timer(0.3, lock.unlink).start()  # a build that finishes while we wait
-    assert int4.wait_for_build_lock(tmp_path, wait_s=30) is None
+    assert kernel_build.wait_for_build_lock(tmp_path, wait_s=30) is None
 
 
 def test_a_forced_kernel_the_cpu_lacks_is_refused_in_one_line_naming_what_it_has(monkeypatch):

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Each module may import only modules to its left (evidence/ and tests/ sit above all of them).
 LAYERS = [
     "planning",
+    "kernel_build",
     "int4",
     "attention_kernel",
     "kv_cache",
