@@ -15,8 +15,8 @@ move to the others.
 
 Resources: on a machine with NVIDIA GPUs (nvidia-smi lists them, or CUDA_VISIBLE_DEVICES names them) replica i
 gets CUDA_VISIBLE_DEVICES=<device i mod count>, unless the server flags say --device cpu. On the CPU each
-replica gets an equal share of the cores this process may use and drafts on one thread fewer than its share
-(at least one: its HTTP event loop keeps the other), unless the server flags set --threads.
+replica gets an equal share of the cores this process may use (at least one) and drafts on all of its share,
+unless the server flags set --threads.
 
 Signals: SIGTERM, SIGINT or SIGHUP stop the router first (it finishes the requests it is forwarding), then
 every replica (each answers what it has queued), waiting --drain-timeout seconds for each before killing it.
@@ -215,8 +215,8 @@ def replica_environments(replicas: int, server_flags: list[str]) -> tuple[list[d
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = max(1, cores // replicas)
     threads = flag_value(server_flags, "--threads")
-    extra_flags = [] if threads else ["--threads", str(max(1, share - 1))]
-    threads = threads or str(max(1, share - 1))
+    extra_flags = [] if threads else ["--threads", str(share)]
+    threads = threads or str(share)
     environments = [{"OMP_NUM_THREADS": threads} for _ in range(replicas)]
     if devices:
         for i, environment in enumerate(environments):
