@@ -85,6 +85,11 @@ def attention_name(query_kernel: bool, chunk_kernel: bool) -> str:
     return "query-kernel+chunk-kernel" if chunk_kernel else "query-kernel" if query_kernel else "torch"
 
 
+def norm_name(norm_kernel: bool) -> str:
+    """How a model normalises, by name: rms-norm-kernel (rms_norm.cpp) or torch (PyTorch's operators)."""
+    return "rms-norm-kernel" if norm_kernel else "torch"
+
+
 def cpu_choice() -> str:
     """What auto attends with in a bf16 model on this CPU, by name (benchmarks print it)."""
     query_kernel = wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16)
@@ -93,8 +98,7 @@ def cpu_choice() -> str:
 
 def norm_choice() -> str:
     """What RMSNorm takes by default in a bf16 model on this CPU, by name (benchmarks print it)."""
-    on = wants_norm_kernel(wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16))
-    return "rms-norm-kernel" if on else "torch"
+    return norm_name(wants_norm_kernel(wants_query_kernel("auto", torch.device("cpu"), torch.bfloat16)))
 
 
 def query_attention(

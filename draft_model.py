@@ -20,7 +20,7 @@ import torch
 
 import engine
 import int4
-from attention_kernel import attention_name, wants_chunk_kernel, wants_norm_kernel, wants_query_kernel
+from attention_kernel import attention_name, norm_name, wants_chunk_kernel, wants_norm_kernel, wants_query_kernel
 from checkpoint import LoRAConfig, ModelLoadError, QuantConfig, hf_name, load_weights
 from int4 import Int4Linear
 from kv_cache import KVCache
@@ -195,7 +195,7 @@ class Drafter:
         attention = attention_name(
             self.model.layers[0].self_attn.query_kernel, self.model.layers[0].self_attn.chunk_kernel
         )
-        norm = "rms-norm-kernel" if self.model.norm.kernel else "torch"
+        norm = norm_name(self.model.norm.kernel)
         if self.device.type != "cpu":
             name = "cuda-int4" if self.weights == "packed" else f"dense-{dtype}"
             return {"name": name, "what": f"on {self.device.type}", "attention": attention, "norm": norm}

@@ -207,7 +207,7 @@ def test_drafts_are_the_same_with_the_kernels_or_without(tmp_path, monkeypatch):
     with_kernels = draft_model.load_model(package, device="cpu", cache_slots=32)
     without = draft_model.load_model(package, device="cpu", cache_slots=32, attention_kernel="torch")
     assert with_kernels.kernel()["attention"] == attention_kernel.cpu_choice()
-    norm = "rms-norm-kernel" if attention_kernel.wants_norm_kernel(True) else "torch"
+    norm = attention_kernel.norm_name(attention_kernel.wants_norm_kernel(True))
     assert with_kernels.kernel()["norm"] == norm and without.kernel()["norm"] == "torch"
     monkeypatch.setattr(attention_kernel, "cpu_flags", lambda: frozenset({"avx512f"}))
     query_kernel_only = draft_model.load_model(package, device="cpu", cache_slots=32)

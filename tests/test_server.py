@@ -439,25 +439,31 @@ def submit(batcher: Batcher, token_ids: list[int], max_tokens: int):
     return batcher.submit(request)
 
 
-def test_every_batch_is_drafted_on_the_thread_that_loaded_the_model(tiny_checkpoint: Path, reference):
+def test_every_batch_is_drafted_on_the_thread_that_loaded_the_model(tiny_checkpoint: Path, reference, monkeypatch):
     """One thread runs torch in the server (batcher.drafting_thread): a second one would keep a second
     OpenMP pool, and libgomp's threads would then sleep between operators instead of spinning."""
-    threads = []
+    threads = {"load": [], "draft": []}
+    load_model = draft_model.load_model
+
+    def recording_load(*args, **kwargs):
+        threads["load"].append(threading.get_ident())
+        return load_model(*args, **kwargs)
 
     def recording_draft(drafter, requests):
-        threads.append(threading.get_ident())
+        threads["draft"].append(threading.get_ident())
         return draft_requests(drafter, requests)
 
     async def scenario():
         batcher = in_process_batcher(tiny_checkpoint, recording_draft, max_batch_size=2, max_wait_ms=0)
-        loaded_on = await asyncio.get_running_loop().run_in_executor(batcher.worker, threading.get_ident)
         batcher.start()
         drafts = [await batcher.wait(submit(batcher, [1, 2, n], max_tokens=3)) for n in range(3, 6)]
         await batcher.stop()
-        return loaded_on, drafts
+        return drafts
 
-    loaded_on, drafts = asyncio.run(scenario())
-    assert threads == [loaded_on] * 3 and loaded_on != threading.get_ident()
+    monkeypatch.setattr(draft_model, "load_model", recording_load)
+    drafts = asyncio.run(scenario())
+    [loaded_on] = threads["load"]
+    assert threads["draft"] == [loaded_on] * 3 and loaded_on != threading.get_ident()
     assert drafts == [reference([1, 2, n], max_tokens=3) for n in range(3, 6)]
 
 

@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
             attention_kernel=args.attention_kernel,
             **compiled,
         )
-        name = drafter.kernel()["name"]
-        attention, norm = drafter.kernel()["attention"], drafter.kernel()["norm"]
+        chosen = drafter.kernel()
+        name, attention, norm = chosen["name"], chosen["attention"], chosen["norm"]
         print(
             f"{mode}: weights {drafter.weights}, dtype {drafter.dtype}, kernel {name}, attention {attention}, norm {norm}, {drafter.num_layers} layers"
         )
